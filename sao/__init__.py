@@ -1,0 +1,1 @@
+"""sao: asynchronous single-trajectory RL post-training through Kafka."""

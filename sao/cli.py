@@ -1,0 +1,211 @@
+"""The `sao` command line: run, broker, topics, feed, sampler, trainer, inspect, config.
+
+Every flag maps onto one field of the typed config (`sao/config.py`); `--set section.knob=value`
+reaches any other field. Flags win over `--set`, which wins over env vars and the TOML file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.logging import RichHandler  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from sao.config import ConfigError, SaoConfig, load_config, to_toml  # noqa: E402
+
+app = typer.Typer(help="Asynchronous single-trajectory RL post-training through Kafka.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
+app.add_typer(broker_app, name="broker")
+app.add_typer(config_app, name="config")
+console = Console(stderr=True)
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any knob: section.knob=value.")]
+BootstrapOpt = Annotated[Optional[str], typer.Option(help="Kafka bootstrap servers (default: broker.bootstrap_servers).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (logs, weights, checkpoints, summary).")]
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    handler: logging.Handler = RichHandler(console=console, show_path=False) if sys.stderr.isatty() else logging.StreamHandler()
+    if not isinstance(handler, RichHandler):
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    for noisy in ("httpx", "sentence_transformers", "transformers", "DeepSpeed", "deepspeed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _config(path: Path | None, sets: list[str] | None, **flags: Any) -> SaoConfig:
+    """Effective config: file < env < --set < dedicated flags (those not None)."""
+    overrides = list(sets or [])
+    overrides += [f"{key}={_literal(value)}" for key, value in flags.items() if value is not None]
+    try:
+        return load_config(path, overrides)
+    except ConfigError as err:
+        console.print(f"[red]config error:[/] {err}")
+        raise typer.Exit(2) from err
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _bootstrap(config: SaoConfig, flag: str | None) -> str:
+    bootstrap = flag or config.broker.bootstrap_servers
+    if not bootstrap:
+        console.print("[red]no broker:[/] pass --bootstrap-servers or set broker.bootstrap_servers "
+                      "(or start one with `sao broker start`)")
+        raise typer.Exit(2)
+    return bootstrap
+
+
+@app.command()
+def run(config: ConfigOpt = None, set_: SetOpt = None,
+        run_dir: RunDirOpt = None,
+        num_tasks: Annotated[Optional[int], typer.Option(help="run.num_tasks")] = None,
+        samplers: Annotated[Optional[int], typer.Option(help="sampler.num_samplers")] = None,
+        model: Annotated[Optional[str], typer.Option(help="policy.model")] = None,
+        bootstrap_servers: BootstrapOpt = None) -> None:
+    """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""
+    _setup_logging()
+    cfg = _config(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None, "run.num_tasks": num_tasks,
+                                   "sampler.num_samplers": samplers, "policy.model": model,
+                                   "broker.bootstrap_servers": bootstrap_servers})
+    from sao.launcher import RunFailed, run as run_loop
+
+    try:
+        run_loop(cfg, console)
+    except RunFailed as err:
+        console.print(f"[red]run failed:[/] {err}")
+        raise typer.Exit(1) from err
+
+
+@app.command()
+def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
+            sampler_id: Annotated[str, typer.Option(help="Name of this sampler in logs and trajectories.")] = "sampler-0",
+            run_dir: RunDirOpt = None,
+            max_tasks: Annotated[Optional[int], typer.Option(help="Exit after this many tasks.")] = None) -> None:
+    """Consume tasks, roll out one trajectory each, compress, produce; reload new policies."""
+    _setup_logging()
+    cfg = _config(config, set_)
+    from sao.producers.sampler import Sampler
+
+    status = run_dir / "status" / f"{sampler_id}.json" if run_dir else None
+    Sampler(cfg, _bootstrap(cfg, bootstrap_servers), sampler_id, status).run(max_tasks)
+
+
+@app.command()
+def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
+            run_dir: Annotated[Path, typer.Option(help="Weights, checkpoints and status go here.")] = Path("runs/trainer"),
+            resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint in run-dir.")] = False,
+            expect: Annotated[Optional[int], typer.Option(help="Exit after this many trajectories are handled.")] = None,
+            ) -> None:
+    """Consume trajectories and train the policy with DeepSpeed ZeRO-3; publish versions."""
+    _setup_logging()
+    cfg = _config(config, set_)
+    from sao.trainer.loop import Trainer
+
+    Trainer(cfg, _bootstrap(cfg, bootstrap_servers), run_dir, resume=resume).run(expect)
+
+
+@app.command()
+def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
+         num_tasks: Annotated[Optional[int], typer.Option(help="run.num_tasks")] = None,
+         start_index: Annotated[int, typer.Option(help="First dataset index.")] = 0) -> None:
+    """Send tasks to the tasks topic."""
+    _setup_logging()
+    cfg = _config(config, set_, **{"run.num_tasks": num_tasks})
+    from sao.launcher import feed_tasks
+
+    sent = feed_tasks(cfg, _bootstrap(cfg, bootstrap_servers), cfg.run.num_tasks, start_index)
+    console.print(f"fed {sent} tasks to {cfg.topics.tasks}")
+
+
+@app.command()
+def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None) -> None:
+    """Create sao's topics (idempotent) with the configured partition counts."""
+    cfg = _config(config, set_)
+    from sao.launcher import topic_partitions
+    from sao.transport.topics import ensure_topics
+
+    wanted = topic_partitions(cfg)
+    ensure_topics(_bootstrap(cfg, bootstrap_servers), wanted)
+    console.print("topics ready: " + ", ".join(f"{name} ({parts})" for name, parts in wanted.items()))
+
+
+StateDirOpt = Annotated[Path, typer.Option(help="Where the detached broker's pid/port file lives.")]
+
+
+@broker_app.command("start")
+def broker_start(port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1.")] = 9092,
+                 state_dir: StateDirOpt = Path(".sao/broker")) -> None:
+    """Start the embedded broker in the background (in-memory storage)."""
+    from sao.transport.broker import start_detached
+
+    state = start_detached(state_dir, port)
+    console.print(f"broker running at [bold]{state['bootstrap']}[/] (pid {state['pid']}); "
+                  f"use --bootstrap-servers {state['bootstrap']}")
+
+
+@broker_app.command("stop")
+def broker_stop(state_dir: StateDirOpt = Path(".sao/broker")) -> None:
+    """Stop the broker started by `sao broker start`."""
+    from sao.transport.broker import stop_detached
+
+    console.print("broker stopped" if stop_detached(state_dir) else "no broker was running")
+
+
+@broker_app.command("status")
+def broker_status_cmd(bootstrap_servers: Annotated[str, typer.Option(help="Broker to ask.")] = "127.0.0.1:9092") -> None:
+    """Is a broker reachable, and which topics does it hold?"""
+    from sao.transport.broker import broker_status
+
+    status = broker_status(bootstrap_servers)
+    if not status["reachable"]:
+        console.print(f"[red]no broker answers at {bootstrap_servers}[/]")
+        raise typer.Exit(1)
+    table = Table(title=f"broker {bootstrap_servers}")
+    table.add_column("topic")
+    table.add_column("partitions", justify="right")
+    for name, partitions in sorted(status["topics"].items()):
+        table.add_row(name, str(partitions))
+    Console().print(table)
+
+
+@app.command()
+def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | policy")] = "trajectories",
+            config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
+            limit: Annotated[int, typer.Option(help="Rows to show at most.")] = 20) -> None:
+    """Show what a topic holds, decoded, as a table."""
+    cfg = _config(config, set_)
+    from sao.inspect import inspect_topic
+
+    if what not in ("trajectories", "dlq", "policy"):
+        console.print(f"[red]unknown topic kind {what!r}[/]: use trajectories, dlq or policy")
+        raise typer.Exit(2)
+    Console().print(inspect_topic(cfg, _bootstrap(cfg, bootstrap_servers), what, limit))
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the effective config as TOML."""
+    typer.echo(to_toml(_config(config, set_)))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,199 @@
+"""The trajectory compressor: online in the sampler (one step at a time) and its batch twin.
+
+Memory is a table of slots. A kept step creates a slot holding its INT8 embedding; a redundant
+step merges into the latest slot, which only extends that slot's span and reward sum. A slot's
+vector never changes, so a context built from the memory earlier stays reproducible.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from sao.compression.quantize import dequantize_int8, quantize_int8
+from sao.compression.temporal import Decision, TemporalFilter
+
+if TYPE_CHECKING:
+    from sao.compression.semantic import SemanticEncoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryTable:
+    """Snapshot of a trajectory's memory: one row per slot, K slots."""
+
+    vectors: np.ndarray  # int8 [K, dim]
+    scales: np.ndarray  # float32 [K], per-vector absmax / 127
+    spans: np.ndarray  # int32 [K, 2], first and last original step the slot stands for
+    reward_sums: np.ndarray  # float32 [K], rewards of every step in the span
+    created_at_step: np.ndarray  # int32 [K], the step whose embedding the vector is
+
+    def __len__(self) -> int:
+        return len(self.scales)
+
+
+@dataclass(frozen=True)
+class CompressionStats:
+    """Counts, sizes and time spent per stage for one trajectory."""
+
+    steps: int
+    kept_slots: int
+    merged_steps: int
+    fp32_bytes: int  # every step's embedding in float32, i.e. without stages 2 and 3
+    int8_bytes: int  # kept vectors in int8 plus one float32 scale each
+    encode_seconds: float
+    filter_seconds: float
+    quantize_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """How many times smaller the memory is than the fp32 embeddings of all steps."""
+        return self.fp32_bytes / self.int8_bytes if self.int8_bytes else 0.0
+
+
+class _SlotTable:
+    """The slot bookkeeping both paths share, so they cannot drift apart."""
+
+    def __init__(self, dim: int, recent_window: int):
+        if recent_window < 0:
+            raise ValueError(f"recent_window must be >= 0, got {recent_window}")
+        self.dim, self.recent_window = dim, recent_window
+        self.steps = 0
+        self.vectors: list[np.ndarray] = []
+        self.scales: list[float] = []
+        self.spans: list[list[int]] = []
+        self.reward_sums: list[float] = []  # python floats: exact-as-possible sums, cast on export
+        self.created_at: list[int] = []
+
+    def visible(self) -> list[int]:
+        # The last `recent_window` finished steps reach the policy as full text instead. Slots
+        # are created in step order, so the visible ones are always a prefix.
+        horizon = self.steps - 1 - self.recent_window
+        return [i for i, created in enumerate(self.created_at) if created <= horizon]
+
+    def add(self, embedding: np.ndarray, reward: float, decision: Decision) -> None:
+        step = self.steps
+        if decision.keep:
+            codes, scales = quantize_int8(embedding[None, :])
+            self.vectors.append(codes[0])
+            self.scales.append(float(scales[0]))
+            self.spans.append([step, step])
+            self.reward_sums.append(float(reward))
+            self.created_at.append(step)
+        elif not self.spans:
+            raise RuntimeError("the first step of a trajectory must be kept; call start() first")
+        else:
+            self.spans[-1][1] = step
+            self.reward_sums[-1] += float(reward)
+        self.steps += 1
+
+    def table(self) -> MemoryTable:
+        return MemoryTable(
+            vectors=np.array(self.vectors, dtype=np.int8).reshape(len(self.vectors), self.dim),
+            scales=np.array(self.scales, dtype=np.float32),
+            spans=np.array(self.spans, dtype=np.int32).reshape(len(self.spans), 2),
+            reward_sums=np.array(self.reward_sums, dtype=np.float32),
+            created_at_step=np.array(self.created_at, dtype=np.int32),
+        )
+
+    def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
+        indices = list(slot_indices)
+        if not indices:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        codes = np.stack([self.vectors[i] for i in indices])
+        return dequantize_int8(codes, np.array([self.scales[i] for i in indices], dtype=np.float32))
+
+
+def _check_compatible(encoder: SemanticEncoder, temporal_filter: TemporalFilter) -> None:
+    if encoder.dim != temporal_filter.dim:
+        raise ValueError(
+            f"encoder {encoder.name!r} gives {encoder.dim}-d embeddings but the temporal filter "
+            f"was trained on {temporal_filter.dim}-d; train a filter for this encoder"
+        )
+    trained_on = temporal_filter.meta.get("encoder")
+    if trained_on and trained_on != encoder.name:
+        logger.warning("temporal filter was trained on %r embeddings, used with %r",
+                       trained_on, encoder.name)
+
+
+class OnlineCompressor:
+    """Compresses one trajectory as it is generated.
+
+    It restarts `temporal_filter`, whose online state it then owns: give each trajectory in
+    flight its own TemporalFilter.
+    """
+
+    def __init__(self, encoder: SemanticEncoder, temporal_filter: TemporalFilter,
+                 recent_window: int = 1):
+        _check_compatible(encoder, temporal_filter)
+        self.encoder, self.temporal_filter = encoder, temporal_filter
+        self._slots = _SlotTable(encoder.dim, recent_window)
+        self._seconds = {"encode": 0.0, "filter": 0.0, "quantize": 0.0}
+        temporal_filter.start()
+
+    def visible_slots(self) -> list[int]:
+        """Slots the policy sees for the step about to be generated."""
+        return self._slots.visible()
+
+    def finish_step(self, text: str, reward: float) -> Decision:
+        """Record a finished step (observation + action text, reward): keep it or merge it."""
+        started = time.perf_counter()
+        embedding = self.encoder.encode([text])[0]
+        encoded = time.perf_counter()
+        decision = self.temporal_filter.observe(embedding, reward)
+        filtered = time.perf_counter()
+        self._slots.add(embedding, reward, decision)
+        self._seconds["encode"] += encoded - started
+        self._seconds["filter"] += filtered - encoded
+        self._seconds["quantize"] += time.perf_counter() - filtered
+        return decision
+
+    def memory(self) -> MemoryTable:
+        """A snapshot copy of the slot table."""
+        return self._slots.table()
+
+    def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
+        """float32 [k, dim] vectors of the given slots, as the policy consumes them."""
+        return self._slots.dequantized(slot_indices)
+
+    def stats(self) -> CompressionStats:
+        slots, dim = self._slots, self.encoder.dim
+        return CompressionStats(
+            steps=slots.steps,
+            kept_slots=len(slots.scales),
+            merged_steps=slots.steps - len(slots.scales),
+            fp32_bytes=slots.steps * dim * 4,
+            int8_bytes=len(slots.scales) * (dim + 4),
+            encode_seconds=self._seconds["encode"],
+            filter_seconds=self._seconds["filter"],
+            quantize_seconds=self._seconds["quantize"],
+        )
+
+
+def compress_batch(
+    texts: Sequence[str],
+    rewards: Sequence[float],
+    encoder: SemanticEncoder,
+    temporal_filter: TemporalFilter,
+    recent_window: int = 1,
+) -> tuple[MemoryTable, list[list[int]], list[Decision]]:
+    """Compress a finished trajectory at once; equals running OnlineCompressor step by step.
+
+    Returns the memory table, the slots visible before each step, and each step's decision.
+    """
+    if len(texts) != len(rewards):
+        raise ValueError(f"{len(texts)} step texts but {len(rewards)} rewards")
+    _check_compatible(encoder, temporal_filter)
+    embeddings = encoder.encode(list(texts))
+    decisions = temporal_filter.filter_batch(embeddings, rewards)
+    slots = _SlotTable(encoder.dim, recent_window)
+    visible: list[list[int]] = []
+    for embedding, reward, decision in zip(embeddings, rewards, decisions):
+        visible.append(slots.visible())
+        slots.add(embedding, reward, decision)
+    return slots.table(), visible, decisions

@@ -1,0 +1,197 @@
+"""Typed configuration: one pydantic tree, loaded from TOML + env vars + CLI overrides.
+
+Every knob is defined once here, with its description; `sao config show` prints the effective
+tree. Precedence (last wins): defaults < TOML file < `SAO__SECTION__KNOB` env vars < `--set
+section.knob=value` flags < dedicated CLI flags. A wrong value fails at start naming its field.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BrokerConfig(Section):
+    bootstrap_servers: str | None = Field(
+        None, description="Kafka bootstrap servers (host:port,...). Unset: `sao run` starts the embedded broker.")
+    embedded_port: int = Field(0, ge=0, le=65535, description="Port of the embedded broker; 0 picks a free one.")
+
+
+class TopicsConfig(Section):
+    tasks: str = Field("sao.tasks", description="Feeder -> samplers.")
+    trajectories: str = Field("sao.trajectories", description="Samplers -> trainer.")
+    policy: str = Field("sao.policy", description="Trainer -> samplers: policy version announcements.")
+    dlq: str = Field("sao.dlq", description="Dead letters: malformed, incompatible or rejected messages.")
+    task_partitions: int = Field(4, ge=1, description="Partitions of the tasks topic; caps useful samplers.")
+    trajectory_partitions: int = Field(4, ge=1, description="Partitions of the trajectories topic.")
+
+
+class EnvConfig(Section):
+    name: Literal["arithmetic"] = Field("arithmetic", description="Built-in environment.")
+    dataset: str = Field("basic_arithmetic", description="reasoning-gym dataset the tasks come from.")
+    dataset_options: dict[str, Any] = Field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                 "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False},
+        description="Keyword arguments of reasoning_gym.create_dataset (difficulty knobs).")
+    max_turns: int = Field(3, ge=1, description="Attempts per task: a wrong answer gets feedback and another try.")
+    retry_discount: float = Field(
+        0.5, gt=0, le=1, description="Reward of a right answer at attempt k (0-based) is score * discount**k.")
+    seed: int = Field(0, description="Seed of the task stream (dataset sampling).")
+
+
+class PolicyConfig(Section):
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="`smollm2-135m-instruct` (packaged, converted once to a cached safetensors folder), "
+                    "`tiny` (random 2-layer Llama with the SmolLM2 tokenizer, for tests) or any HF model path.")
+    system_prompt: str = Field(
+        "You are a calculator. Reply with only the final answer as a single number.",
+        description="System message of every episode.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer recomputes log-probs under it.")
+    max_new_tokens: int = Field(24, ge=1, description="Tokens per action at most.")
+    seed: int = Field(0, description="Seed of the memory projector's initialisation (identical in samplers and trainer).")
+    cache_dir: str = Field("~/.cache/sao/models", description="Where converted models are cached.")
+
+
+class CompressionConfig(Section):
+    encoder: str = Field("default", description="sentence-transformers model path or name; `default` = packaged all-MiniLM-L6-v2.")
+    temporal_weights: str | None = Field(None, description="LSTM redundancy filter weights; unset = the shipped default.")
+    keep_threshold: float | None = Field(
+        None, ge=0, le=2, description="Keep a step whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
+    recent_window: int = Field(1, ge=0, description="Latest finished steps given in full text rather than as memory.")
+
+
+class SamplerConfig(Section):
+    num_samplers: int = Field(2, ge=1, description="Sampler processes `sao run` starts.")
+    torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
+
+
+class TrainerConfig(Section):
+    batch_size: int = Field(8, ge=1, description="Trajectories per optimizer step.")
+    learning_rate: float = Field(3e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global L2 gradient norm to this.")
+    tis_clip: float = Field(2.0, gt=0, description="Truncated importance sampling: per-token weight min(rho, tis_clip).")
+    baseline_key: Literal["env", "task_id"] = Field(
+        "env", description="Running-mean reward baseline per env (task family) or per task id.")
+    baseline_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum of the reward baseline.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the batch (mean 0, std 1).")
+    max_staleness: int = Field(8, ge=0, description="Trajectories more policy versions behind are not trained on (DLQ'd).")
+    freshness_decay: float = Field(1.0, gt=0, le=1, description="Loss weight freshness_decay ** staleness.")
+    sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
+    checkpoint_every: int = Field(100, ge=1, description="Save a DeepSpeed checkpoint + offsets every N steps.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: run forever).")
+    keep_versions: int = Field(3, ge=1, description="Published weight files kept on disk.")
+    torch_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="Merged over sao's DeepSpeed config (ZeRO-3, clipping, batch).")
+
+
+class RunConfig(Section):
+    num_tasks: int = Field(96, ge=1, description="Tasks the feeder sends; the run ends when all are trained on.")
+    run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
+    max_tasks_in_flight: int | None = Field(
+        None, ge=1, description="Backpressure: tasks fed but not yet trained on, at most; unset = 2 x trainer.batch_size.")
+    timeout_s: float = Field(1500, gt=0, description="Abort the run after this many seconds.")
+    reward_window: float = Field(0.2, gt=0, le=0.5, description="Fraction of trajectories in the first/last reward window.")
+
+
+class SaoConfig(Section):
+    broker: BrokerConfig = BrokerConfig()
+    topics: TopicsConfig = TopicsConfig()
+    env: EnvConfig = EnvConfig()
+    policy: PolicyConfig = PolicyConfig()
+    compression: CompressionConfig = CompressionConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    run: RunConfig = RunConfig()
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and says what is allowed."""
+
+
+ENV_PREFIX = "SAO__"
+
+
+def _parse_value(raw: str) -> Any:
+    """Read a CLI/env value as a TOML literal (numbers, bools, lists, tables), else as a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def load_config(path: Path | str | None = None, overrides: list[str] | None = None,
+                environ: dict[str, str] | None = None) -> SaoConfig:
+    """Build the effective config; raise ConfigError naming the first bad field."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from err
+    for name, raw in sorted((environ if environ is not None else os.environ).items()):
+        if name.startswith(ENV_PREFIX):
+            _set_path(tree, name[len(ENV_PREFIX):].lower().replace("__", "."), _parse_value(raw))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.knob=value")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), _parse_value(raw.strip()))
+    return validate_config(tree)
+
+
+def validate_config(tree: dict[str, Any]) -> SaoConfig:
+    try:
+        return SaoConfig.model_validate(tree)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise ConfigError(f"config field `{field}`: {first['msg']} (got {first.get('input')!r})") from err
+
+
+def to_toml(config: SaoConfig) -> str:
+    """Render the effective config as TOML (what `sao config show` prints and runs record)."""
+    lines: list[str] = []
+    for section, values in config.model_dump(exclude_none=True).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")

@@ -1,0 +1,76 @@
+"""Multi-turn arithmetic from reasoning-gym: a wrong answer gets feedback and another try."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+import reasoning_gym
+
+from sao.config import EnvConfig
+from sao.envs.base import Feedback
+from sao.schema import Task
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@lru_cache(maxsize=8)
+def _dataset(name: str, size: int, seed: int, options: tuple[tuple[str, Any], ...]):
+    kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in options}
+    return reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+
+
+def _options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+
+
+def last_number(text: str) -> str | None:
+    """The answer is the last number in the completion (a model may reason before it)."""
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+class ArithmeticEnv:
+    """Up to `max_turns` attempts; a right answer at attempt k earns score * retry_discount**k."""
+
+    name = "arithmetic"
+
+    def __init__(self, max_turns: int = 3, retry_discount: float = 0.5):
+        self.max_turns = max_turns
+        self.retry_discount = retry_discount
+        self._entry: dict[str, Any] | None = None
+        self._dataset = None
+        self._turn = 0
+
+    def reset(self, spec: dict[str, Any]) -> str:
+        self._dataset = _dataset(spec["dataset"], spec["size"], spec["seed"], _options_key(spec["options"]))
+        self._entry = self._dataset[spec["index"]]
+        self._turn = 0
+        return self._entry["question"]
+
+    def step(self, action: str) -> Feedback:
+        if self._entry is None:
+            raise RuntimeError("step() before reset()")
+        answer = last_number(action)
+        score = float(self._dataset.score_answer(answer, self._entry)) if answer is not None else 0.0
+        attempt, self._turn = self._turn, self._turn + 1
+        info = {"answer": answer, "score": score, "attempt": attempt}
+        if score >= 1.0:
+            return Feedback("Correct.", score * self.retry_discount ** attempt, True, info)
+        if self._turn >= self.max_turns:
+            return Feedback("Incorrect.", 0.0, True, info)
+        hint = "That is not a number." if answer is None else f"{answer} is incorrect."
+        return Feedback(f"{hint} Try again: reply with only the final answer.", 0.0, False, info)
+
+
+def make_tasks(config: EnvConfig, count: int, start_index: int = 0) -> list[Task]:
+    """`count` tasks from the configured dataset, indices [start_index, start_index + count)."""
+    size = start_index + count
+    spec = {"dataset": config.dataset, "size": size, "seed": config.seed, "options": config.dataset_options}
+    return [Task(task_id=f"{config.dataset}/{config.seed}/{index}", env=ArithmeticEnv.name,
+                 spec={**spec, "index": index}) for index in range(start_index, size)]
+
+
+def make_env(config: EnvConfig) -> ArithmeticEnv:
+    return ArithmeticEnv(max_turns=config.max_turns, retry_discount=config.retry_discount)

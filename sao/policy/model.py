@@ -1,0 +1,113 @@
+"""The LM policy: a causal LM that also reads compressed memory as soft tokens.
+
+Each memory vector (a sentence embedding of an earlier step) is mapped into the LM's input
+embedding space by a learned linear projector. The projector starts at zero weights so an
+untrained memory adds nothing a pretrained model has to unlearn; its gradient is still non-zero,
+so it learns as soon as memory helps. The same module samples (with KV cache, per-token
+behaviour log-probs) in the sampler and scores batches of steps in the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sao.policy.context import StepInput
+
+
+@dataclass
+class ScoringBatch:
+    """Right-padded rows of [prompt | memory | context | action] ready for one forward pass."""
+
+    token_ids: torch.Tensor  # long [B, L]; 0 at memory and pad positions
+    memory_vectors: torch.Tensor  # float [B, L, D]; zero except at memory positions
+    memory_mask: torch.Tensor  # bool [B, L]
+    attention_mask: torch.Tensor  # long [B, L]
+    action_mask: torch.Tensor  # bool [B, L]: position holds an action token to score
+    first_action_position: int  # smallest action position in the batch (bounds the logits we need)
+    temperatures: torch.Tensor  # float [B]: each row is scored under its sampling temperature
+
+    def to(self, device: torch.device | str) -> ScoringBatch:
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+def collate_steps(inputs: list[StepInput], memory_dim: int, temperatures: list[float] | None = None) -> ScoringBatch:
+    lengths = [len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids) for x in inputs]
+    rows, width = len(inputs), max(lengths)
+    token_ids = torch.zeros(rows, width, dtype=torch.long)
+    memory_vectors = torch.zeros(rows, width, memory_dim)
+    memory_mask = torch.zeros(rows, width, dtype=torch.bool)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    action_mask = torch.zeros(rows, width, dtype=torch.bool)
+    first_action = width
+    for row, x in enumerate(inputs):
+        p, m, c = len(x.prompt_ids), len(x.memory), len(x.context_ids)
+        token_ids[row, :p] = torch.from_numpy(np.asarray(x.prompt_ids, dtype=np.int64))
+        if m:
+            memory_vectors[row, p:p + m] = torch.from_numpy(np.asarray(x.memory, dtype=np.float32))
+            memory_mask[row, p:p + m] = True
+        start = p + m + c
+        token_ids[row, p + m:start] = torch.from_numpy(np.asarray(x.context_ids, dtype=np.int64))
+        token_ids[row, start:lengths[row]] = torch.from_numpy(np.asarray(x.action_ids, dtype=np.int64))
+        attention_mask[row, :lengths[row]] = 1
+        action_mask[row, start:lengths[row]] = True
+        first_action = min(first_action, start)
+    temps = torch.tensor(temperatures if temperatures is not None else [1.0] * rows, dtype=torch.float32)
+    return ScoringBatch(token_ids, memory_vectors, memory_mask, attention_mask, action_mask, first_action, temps)
+
+
+class MemoryPolicy(nn.Module):
+    """Causal LM + memory projector. `forward` scores action tokens; `sample` generates them."""
+
+    def __init__(self, lm: nn.Module, memory_dim: int):
+        super().__init__()
+        self.lm = lm
+        self.memory_dim = memory_dim
+        self.projector = nn.Linear(memory_dim, lm.config.hidden_size)
+        nn.init.zeros_(self.projector.weight)
+        nn.init.zeros_(self.projector.bias)
+
+    def _embed(self, token_ids: torch.Tensor, memory_vectors: torch.Tensor, memory_mask: torch.Tensor) -> torch.Tensor:
+        token_embeds = self.lm.get_input_embeddings()(token_ids)
+        memory_embeds = self.projector(memory_vectors.to(token_embeds.dtype))
+        return torch.where(memory_mask.unsqueeze(-1), memory_embeds, token_embeds)
+
+    def forward(self, batch: ScoringBatch) -> torch.Tensor:
+        """Log-probs [B, L] of each position's token given everything before it (0 where not an action)."""
+        embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
+        width = batch.token_ids.shape[1]
+        # Only positions from the first action on are scored: the logits of the prompt are never
+        # computed, which saves most of the lm_head cost on long prompts.
+        keep = width - batch.first_action_position + 1
+        logits = self.lm(inputs_embeds=embeds, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+        logprobs = F.log_softmax(logits[:, :-1].float() / batch.temperatures[:, None, None], dim=-1)
+        targets = batch.token_ids[:, width - keep + 1:]
+        token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        scored = torch.zeros(batch.token_ids.shape, dtype=token_logprobs.dtype, device=token_logprobs.device)
+        scored[:, width - keep + 1:] = token_logprobs
+        return scored * batch.action_mask
+
+    @torch.no_grad()
+    def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop_token_ids: set[int],
+               generator: torch.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Sample one action; return its token ids and their log-probs under logits / temperature."""
+        batch = collate_steps([step], self.memory_dim)
+        embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
+        out = self.lm(inputs_embeds=embeds, use_cache=True)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for _ in range(max_new_tokens):
+            step_logprobs = F.log_softmax(out.logits[0, -1].float() / temperature, dim=-1)
+            token = int(torch.multinomial(step_logprobs.exp(), 1, generator=generator))
+            tokens.append(token)
+            logprobs.append(float(step_logprobs[token]))
+            if token in stop_token_ids:
+                break
+            out = self.lm(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+        return np.asarray(tokens, dtype=np.int32), np.asarray(logprobs, dtype=np.float32)

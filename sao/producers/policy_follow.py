@@ -1,0 +1,47 @@
+"""Follow `sao.policy`: learn about new policy versions without ever blocking a rollout."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+from sao.schema import PolicyAnnouncement, SchemaError, decode
+from sao.transport.kafka import make_consumer
+
+log = logging.getLogger(__name__)
+
+
+class PolicyFollower:
+    """Reads every announcement from the beginning (the topic is tiny) and keeps the newest.
+
+    Partitions are assigned, not subscribed: each sampler must see every announcement, so it
+    joins no consumer group and commits nothing.
+    """
+
+    def __init__(self, bootstrap: str, topic: str):
+        self.consumer = make_consumer(bootstrap, f"sao-policy-follower-{uuid.uuid4().hex[:8]}")
+        metadata = self.consumer.list_topics(topic, timeout=10).topics.get(topic)
+        partitions = sorted(metadata.partitions) if metadata is not None and metadata.error is None else [0]
+        self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        self.latest: PolicyAnnouncement | None = None
+
+    def poll(self, timeout: float = 0.0) -> PolicyAnnouncement | None:
+        """Drain what has arrived; return the newest announcement seen so far (or None)."""
+        while (msg := self.consumer.poll(timeout)) is not None:
+            timeout = 0.0
+            if msg.error() is not None:
+                log.warning("policy topic: %s", msg.error())
+                continue
+            try:
+                announcement = decode(msg.value(), PolicyAnnouncement)
+            except SchemaError as err:
+                log.warning("ignoring a bad policy announcement at offset %s: %s", msg.offset(), err)
+                continue
+            if self.latest is None or announcement.version > self.latest.version:
+                self.latest = announcement
+        return self.latest
+
+    def close(self) -> None:
+        self.consumer.close()

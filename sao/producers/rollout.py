@@ -1,0 +1,130 @@
+"""Single-trajectory rollout: one task, one episode, compressed online as it unfolds."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from sao.compression.pipeline import OnlineCompressor
+from sao.compression.semantic import SemanticEncoder
+from sao.compression.temporal import TemporalFilter
+from sao.config import SaoConfig
+from sao.envs.base import Env
+from sao.policy.context import StepInput, naive_context_tokens, step_tokens
+from sao.policy.model import MemoryPolicy
+from sao.schema import Memory, Step, Task, Trajectory
+
+_TOKEN_BYTES = 4  # token ids travel as int32
+
+
+class ChatFormat:
+    """Chat-template pieces as token ids, split so that steps concatenate into a valid chat.
+
+    prompt = system + user(task); step 0's observation = the assistant header; a later
+    observation = end of the previous turn + user(feedback) + assistant header.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, system_prompt: str):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.stop_token_ids = {tokenizer.eos_token_id, *self._ids_of("<|im_end|>")}
+
+    def _ids_of(self, token: str) -> list[int]:
+        found = self.tokenizer.convert_tokens_to_ids(token)
+        return [] if found is None or found == self.tokenizer.unk_token_id else [found]
+
+    def _encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+
+    def _chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def prompt(self, task_text: str) -> np.ndarray:
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
+        return self._encode(self._chat(messages, generation_prompt=False))
+
+    def first_observation(self, task_text: str) -> np.ndarray:
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
+        return self._encode(self._chat(messages, True)[len(self._chat(messages, False)):])
+
+    def feedback_observation(self, feedback: str) -> np.ndarray:
+        # The separator the template puts after an assistant turn ends, then the next user turn.
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        full = self._chat(base + [{"role": "user", "content": feedback}], True)
+        end_of_answer = full.index("y", len(self._chat(base[:1], True))) + 1
+        after = full[end_of_answer:]
+        # Drop the end-of-turn marker itself: the sampled action already ends with it.
+        for stop in ("<|im_end|>", self.tokenizer.eos_token or ""):
+            if stop and after.startswith(stop):
+                after = after[len(stop):]
+                break
+        return self._encode(after)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+
+class Roller:
+    """Runs episodes with the current policy; the policy object is swapped in place on reload."""
+
+    def __init__(self, config: SaoConfig, env: Env, policy: MemoryPolicy, chat: ChatFormat,
+                 encoder: SemanticEncoder, temporal_filter: TemporalFilter, sampler_id: str, seed: int = 0):
+        self.config = config
+        self.env = env
+        self.policy = policy
+        self.chat = chat
+        self.encoder = encoder
+        self.temporal_filter = temporal_filter
+        self.sampler_id = sampler_id
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def rollout(self, task: Task, behaviour_version: int) -> Trajectory:
+        policy_cfg, window = self.config.policy, self.config.compression.recent_window
+        started = time.perf_counter()
+        task_text = self.env.reset(task.spec)
+        prompt_ids = self.chat.prompt(task_text)
+        compressor = OnlineCompressor(self.encoder, self.temporal_filter, recent_window=window)
+        observation_text, observation_ids = task_text, self.chat.first_observation(task_text)
+        finished: list[tuple[np.ndarray, np.ndarray]] = []
+        steps: list[Step] = []
+        generate_s = 0.0
+        for _ in range(self.config.env.max_turns):
+            slots = np.asarray(compressor.visible_slots(), dtype=np.int32)
+            step_input = StepInput(prompt_ids, compressor.dequantized(slots),
+                                   step_tokens(finished, observation_ids, window), np.zeros(0, np.int32))
+            t0 = time.perf_counter()
+            action_ids, logprobs = self.policy.sample(step_input, policy_cfg.max_new_tokens, policy_cfg.temperature,
+                                                      self.chat.stop_token_ids, self.generator)
+            generate_s += time.perf_counter() - t0
+            action_text = self.chat.decode(action_ids)
+            feedback = self.env.step(action_text)
+            steps.append(Step(observation_ids, action_ids, logprobs, feedback.reward, feedback.done, slots))
+            finished.append((observation_ids, action_ids))
+            if feedback.done:
+                break
+            compressor.finish_step(f"{observation_text}\n{action_text}", feedback.reward)
+            observation_text, observation_ids = feedback.observation, self.chat.feedback_observation(feedback.observation)
+        table = compressor.memory()
+        # Slots become visible in creation order, so the ones no step ever saw form a tail:
+        # the episode ended before they left the recent window. They are not sent.
+        used = max((len(step.memory_slots) for step in steps), default=0)
+        memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
+        return Trajectory(
+            trajectory_id=Trajectory.make_id(task.task_id, task.attempt), task_id=task.task_id, env=task.env,
+            sampler_id=self.sampler_id, behaviour_version=behaviour_version, prompt_ids=prompt_ids, steps=steps,
+            memory=memory, temperature=policy_cfg.temperature, encoder=self.encoder.name, recent_window=window,
+            timings={"rollout_s": time.perf_counter() - started, "generate_s": generate_s},
+            compression=compression_stats(prompt_ids, steps, memory),
+        )
+
+
+def compression_stats(prompt_ids: np.ndarray, steps: list[Step], memory: Memory) -> dict[str, float]:
+    """Context bytes a trainer would receive without compression vs with sao's representation."""
+    naive = naive_context_tokens(len(prompt_ids), steps) * _TOKEN_BYTES
+    tokens_once = (len(prompt_ids) + sum(len(s.observation_ids) + len(s.action_ids) for s in steps)) * _TOKEN_BYTES
+    compressed = tokens_once + memory.vectors.nbytes + memory.scales.nbytes
+    return {"naive_context_bytes": float(naive), "compressed_context_bytes": float(compressed),
+            "ratio": naive / compressed, "memory_slots": float(len(memory.vectors)), "steps": float(len(steps))}

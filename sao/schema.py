@@ -1,0 +1,309 @@
+"""The wire format: typed messages that cross process boundaries, and their msgpack codec.
+
+Every message is a msgpack map with `schema` (major version) and `kind`. Arrays travel as
+`{"dtype", "shape", "data"}` with little-endian raw bytes, so any reader maps them with
+`numpy.frombuffer` without element-by-element copies. Nothing here imports torch, and nothing
+is ever pickled. `docs/wire-format.md` documents the same format for non-sao readers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# The only dtypes a reader accepts; anything else is a malformed message, not a surprise.
+_ALLOWED_DTYPES = {"<i4": np.int32, "<f4": np.float32, "|i1": np.int8}
+
+
+class SchemaError(ValueError):
+    """A message that cannot be decoded or fails validation.
+
+    `reason` is a short machine code that becomes the DLQ reason header; `field` names the
+    offending field so the sender knows what to fix.
+    """
+
+    def __init__(self, reason: str, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.reason = reason
+        self.field = field_name
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise SchemaError("invalid-field", field_name, message)
+
+
+def pack_array(array: np.ndarray, dtype: type) -> dict[str, Any]:
+    """Encode an array as little-endian raw bytes with its dtype and shape."""
+    arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def unpack_array(obj: Any, field_name: str, dtype: type, ndim: int) -> np.ndarray:
+    """Decode and validate one packed array; the result is a read-only view of the bytes."""
+    _require(isinstance(obj, dict), field_name, "expected an array map {dtype, shape, data}")
+    dtype_str, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
+    expected = np.dtype(dtype).newbyteorder("<").str
+    _require(dtype_str == expected, field_name, f"dtype {dtype_str!r}, expected {expected!r}")
+    _require(dtype_str in _ALLOWED_DTYPES, field_name, f"dtype {dtype_str!r} not allowed")
+    _require(
+        isinstance(shape, list) and len(shape) == ndim and all(isinstance(s, int) and s >= 0 for s in shape),
+        field_name,
+        f"shape {shape!r} is not a list of {ndim} non-negative ints",
+    )
+    _require(isinstance(data, bytes), field_name, "data must be bytes")
+    count = math.prod(shape)
+    _require(len(data) == count * np.dtype(dtype).itemsize, field_name, f"{len(data)} bytes for shape {shape}")
+    return np.frombuffer(data, dtype=np.dtype(dtype_str), count=count).reshape(shape)
+
+
+def _get(obj: dict, name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+    _require(name in obj, where + name, "missing")
+    value = obj[name]
+    # bool is an int subclass; a boolean where a number belongs is a sender bug.
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
+    _require(ok, where + name, f"expected {kind}, got {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of work for a sampler: which environment, and the env-specific spec."""
+
+    task_id: str
+    env: str
+    spec: dict[str, Any]
+    attempt: int = 0
+    created_at: float = field(default_factory=time.time)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "env": self.env, "spec": self.spec, "attempt": self.attempt,
+                "created_at": self.created_at}
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Task:
+        spec = _get(obj, "spec", dict)
+        return cls(task_id=_get(obj, "task_id", str), env=_get(obj, "env", str), spec=spec,
+                   attempt=_get(obj, "attempt", int), created_at=float(_get(obj, "created_at", (int, float))))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One turn: the observation shown, the action sampled, and how likely the sampler found it.
+
+    `memory_slots` are indices into the trajectory's memory table: the compressed earlier steps
+    the policy saw (as soft tokens) when it generated this action.
+    """
+
+    observation_ids: np.ndarray  # int32 [n]
+    action_ids: np.ndarray  # int32 [m]
+    behaviour_logprobs: np.ndarray  # float32 [m], log mu(a_t | context) under the sampling temperature
+    reward: float
+    done: bool
+    memory_slots: np.ndarray  # int32 [k]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "observation_ids": pack_array(self.observation_ids, np.int32),
+            "action_ids": pack_array(self.action_ids, np.int32),
+            "behaviour_logprobs": pack_array(self.behaviour_logprobs, np.float32),
+            "reward": float(self.reward),
+            "done": bool(self.done),
+            "memory_slots": pack_array(self.memory_slots, np.int32),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any], index: int) -> Step:
+        prefix = f"steps[{index}]."
+        _require(isinstance(obj, dict), f"steps[{index}]", "expected a map")
+        actions = unpack_array(obj.get("action_ids"), prefix + "action_ids", np.int32, 1)
+        logprobs = unpack_array(obj.get("behaviour_logprobs"), prefix + "behaviour_logprobs", np.float32, 1)
+        step = cls(
+            observation_ids=unpack_array(obj.get("observation_ids"), prefix + "observation_ids", np.int32, 1),
+            action_ids=actions,
+            behaviour_logprobs=logprobs,
+            reward=float(_get(obj, "reward", (int, float), prefix)),
+            done=_get(obj, "done", bool, prefix),
+            memory_slots=unpack_array(obj.get("memory_slots"), prefix + "memory_slots", np.int32, 1),
+        )
+        _require(len(actions) == len(logprobs), prefix + "behaviour_logprobs",
+                 f"{len(logprobs)} log-probs for {len(actions)} action tokens")
+        _require(len(actions) > 0, prefix + "action_ids", "an action needs at least one token")
+        _require(bool(np.all(np.isfinite(logprobs)) and np.all(logprobs <= 1e-4)), prefix + "behaviour_logprobs",
+                 "log-probs must be finite and <= 0")
+        _require(math.isfinite(step.reward), prefix + "reward", "must be finite")
+        return step
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The compressed context table of one trajectory: one INT8 vector per kept step group."""
+
+    vectors: np.ndarray  # int8 [K, D]
+    scales: np.ndarray  # float32 [K]; vector_fp32 = vectors * scale
+    spans: np.ndarray  # int32 [K, 2]: first and last original step a slot stands for
+    reward_sums: np.ndarray  # float32 [K]: rewards of the merged steps, so the return stays exact
+
+    @classmethod
+    def empty(cls, dim: int) -> Memory:
+        return cls(np.zeros((0, dim), np.int8), np.zeros(0, np.float32), np.zeros((0, 2), np.int32),
+                   np.zeros(0, np.float32))
+
+    def dequantized(self, slots: np.ndarray) -> np.ndarray:
+        """FP32 vectors of the given slots: exactly what the sampler fed the policy."""
+        idx = np.asarray(slots, dtype=np.int64)
+        return self.vectors[idx].astype(np.float32) * self.scales[idx, None]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"vectors": pack_array(self.vectors, np.int8), "scales": pack_array(self.scales, np.float32),
+                "spans": pack_array(self.spans, np.int32), "reward_sums": pack_array(self.reward_sums, np.float32)}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Memory:
+        _require(isinstance(obj, dict), "memory", "expected a map")
+        memory = cls(
+            vectors=unpack_array(obj.get("vectors"), "memory.vectors", np.int8, 2),
+            scales=unpack_array(obj.get("scales"), "memory.scales", np.float32, 1),
+            spans=unpack_array(obj.get("spans"), "memory.spans", np.int32, 2),
+            reward_sums=unpack_array(obj.get("reward_sums"), "memory.reward_sums", np.float32, 1),
+        )
+        slots = len(memory.vectors)
+        _require(len(memory.scales) == slots and len(memory.spans) == slots and len(memory.reward_sums) == slots,
+                 "memory", "vectors, scales, spans and reward_sums must have the same length")
+        _require(memory.spans.shape[1] == 2 or slots == 0, "memory.spans", "each span is (first, last)")
+        return memory
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One episode rolled out by one sampler with one policy version, compressed."""
+
+    trajectory_id: str
+    task_id: str
+    env: str
+    sampler_id: str
+    behaviour_version: int
+    prompt_ids: np.ndarray  # int32 [p]: chat-formatted system prompt + task, before any memory
+    steps: list[Step]
+    memory: Memory
+    temperature: float  # sampling temperature the behaviour log-probs were computed under
+    encoder: str  # sentence encoder that produced the memory vectors
+    recent_window: int  # how many latest steps the policy saw in full text instead of memory
+    created_at: float = field(default_factory=time.time)
+    timings: dict[str, float] = field(default_factory=dict)
+    compression: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def make_id(task_id: str, attempt: int) -> str:
+        """Deterministic from the task, so a redelivered task's trajectory dedups at the trainer."""
+        return f"{task_id}#{attempt}"
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(step.reward for step in self.steps))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "trajectory_id": self.trajectory_id, "task_id": self.task_id, "env": self.env,
+            "sampler_id": self.sampler_id, "behaviour_version": self.behaviour_version,
+            "prompt_ids": pack_array(self.prompt_ids, np.int32),
+            "steps": [step.to_wire() for step in self.steps], "memory": self.memory.to_wire(),
+            "temperature": float(self.temperature), "encoder": self.encoder, "recent_window": self.recent_window,
+            "created_at": self.created_at, "timings": dict(self.timings), "compression": dict(self.compression),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Trajectory:
+        steps_raw = _get(obj, "steps", list)
+        _require(len(steps_raw) > 0, "steps", "a trajectory needs at least one step")
+        steps = [Step.from_wire(raw, i) for i, raw in enumerate(steps_raw)]
+        memory = Memory.from_wire(obj.get("memory"))
+        for i, step in enumerate(steps):
+            _require(bool(np.all((step.memory_slots >= 0) & (step.memory_slots < len(memory.vectors)))),
+                     f"steps[{i}].memory_slots", f"slot index outside the memory table of {len(memory.vectors)}")
+        temperature = float(_get(obj, "temperature", (int, float)))
+        _require(temperature > 0, "temperature", "must be > 0")
+        version = _get(obj, "behaviour_version", int)
+        _require(version >= 0, "behaviour_version", "must be >= 0")
+        return cls(
+            trajectory_id=_get(obj, "trajectory_id", str), task_id=_get(obj, "task_id", str),
+            env=_get(obj, "env", str), sampler_id=_get(obj, "sampler_id", str), behaviour_version=version,
+            prompt_ids=unpack_array(obj.get("prompt_ids"), "prompt_ids", np.int32, 1), steps=steps,
+            memory=memory, temperature=temperature, encoder=_get(obj, "encoder", str),
+            recent_window=_get(obj, "recent_window", int), created_at=float(_get(obj, "created_at", (int, float))),
+            timings=dict(_get(obj, "timings", dict)), compression=dict(_get(obj, "compression", dict)),
+        )
+
+
+@dataclass(frozen=True)
+class PolicyAnnouncement:
+    """A new policy version: where its safetensors weights are and their sha256."""
+
+    version: int
+    weights_path: str
+    sha256: str
+    num_bytes: int
+    trainer_step: int
+    created_at: float = field(default_factory=time.time)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "weights_path": self.weights_path, "sha256": self.sha256,
+                "num_bytes": self.num_bytes, "trainer_step": self.trainer_step, "created_at": self.created_at}
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> PolicyAnnouncement:
+        sha = _get(obj, "sha256", str)
+        _require(len(sha) == 64, "sha256", "expected 64 hex characters")
+        return cls(version=_get(obj, "version", int), weights_path=_get(obj, "weights_path", str), sha256=sha,
+                   num_bytes=_get(obj, "num_bytes", int), trainer_step=_get(obj, "trainer_step", int),
+                   created_at=float(_get(obj, "created_at", (int, float))))
+
+
+_KINDS: dict[str, type] = {"task": Task, "trajectory": Trajectory, "policy": PolicyAnnouncement}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+
+
+def encode(message: Task | Trajectory | PolicyAnnouncement) -> bytes:
+    """Serialise a message to msgpack bytes with its schema version and kind."""
+    body = message.to_wire()
+    body["schema"] = SCHEMA_VERSION
+    body["kind"] = _KIND_OF[type(message)]
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes | None, expected: type[Task] | type[Trajectory] | type[PolicyAnnouncement]):
+    """Parse and validate msgpack bytes into `expected`; raise SchemaError naming the bad field."""
+    if data is None:
+        raise SchemaError("decode-error", "value", "message has no value")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as err:
+        raise SchemaError("decode-error", "value", f"not valid msgpack ({err})") from err
+    if not isinstance(obj, dict):
+        raise SchemaError("decode-error", "value", f"expected a msgpack map, got {type(obj).__name__}")
+    version = obj.get("schema")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise SchemaError("schema-version", "schema", "missing schema version")
+    if version != SCHEMA_VERSION:
+        raise SchemaError("schema-version", "schema",
+                          f"major version {version} is not supported (this reader speaks {SCHEMA_VERSION})")
+    kind = obj.get("kind")
+    if kind != _KIND_OF[expected]:
+        raise SchemaError("wrong-kind", "kind", f"expected {_KIND_OF[expected]!r}, got {kind!r}")
+    try:
+        return expected.from_wire(obj)
+    except SchemaError:
+        raise
+    except (KeyError, TypeError, ValueError) as err:
+        raise SchemaError("invalid-field", "value", str(err)) from err

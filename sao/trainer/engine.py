@@ -1,0 +1,96 @@
+"""DeepSpeed ZeRO-3 engine: distributed setup, the config sao derives, weight gathering.
+
+On CPU: gloo, fp32, and no JIT-compiled ops (the shm comm op and DeepSpeed's own Adam each
+cost ~100 s of compilation on a fresh machine, so torch's AdamW is passed in). On GPU: NCCL and
+bf16. The user's `trainer.deepspeed` table is merged over what sao derives.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from typing import Any
+
+import torch
+
+from sao.config import TrainerConfig
+from sao.policy.weights import unique_state_dict
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join (or, when launched alone, create) the process group DeepSpeed needs."""
+    import deepspeed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    # Launched without torchrun/deepspeed: a world of one. Without these DeepSpeed tries MPI.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if not torch.cuda.is_available():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        # sao feeds one whole batch of trajectories per forward; DeepSpeed only needs to agree.
+        "train_micro_batch_size_per_gpu": trainer.batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": trainer.batch_size * world_size,
+        "gradient_clipping": trainer.grad_clip,
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                              "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if torch.cuda.is_available():
+        config["bf16"] = {"enabled": True}
+    return _merge(config, trainer.deepspeed)
+
+
+def build_engine(model: torch.nn.Module, trainer: TrainerConfig):
+    """Wrap `model` in a ZeRO-3 engine with torch AdamW; returns the DeepSpeed engine."""
+    import deepspeed
+
+    init_distributed()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config=deepspeed_config(trainer, torch.distributed.get_world_size()))
+    return engine
+
+
+def gather_full_state(engine) -> dict[str, torch.Tensor]:
+    """Every rank joins the gather; the full fp32 state dict is returned (cloned, CPU)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        # Copy inside the context: outside it the partitioned tensors are empty again.
+        return unique_state_dict(engine.module.state_dict())
+
+
+def shutdown() -> None:
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        deepspeed.comm.barrier()
+        torch.distributed.destroy_process_group()

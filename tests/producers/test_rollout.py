@@ -1,0 +1,51 @@
+"""Single-trajectory rollout with the tiny policy: wire-ready, compressed, exactly re-scorable."""
+
+import numpy as np
+import pytest
+import torch
+
+from sao.compression.temporal import load_temporal_filter
+from sao.envs.arithmetic import make_env, make_tasks
+from sao.policy.context import training_inputs
+from sao.policy.model import collate_steps
+from sao.policy.weights import build_policy
+from sao.producers.rollout import Roller
+from sao.schema import Trajectory, decode, encode
+
+
+@pytest.fixture(scope="module")
+def roller(tiny_config, chat, encoder):
+    policy = build_policy(tiny_config.policy, encoder.dim).eval()
+    torch.nn.init.normal_(policy.projector.weight, std=0.05)  # memory must matter for the exactness check
+    return Roller(tiny_config, make_env(tiny_config.env), policy, chat, encoder, load_temporal_filter(), "s-test", seed=3)
+
+
+def test_chat_pieces_concatenate_into_the_chat_template(chat):
+    tok = chat.tokenizer
+    prompt, obs0 = chat.prompt("What is 1 + 1?"), chat.first_observation("What is 1 + 1?")
+    action = np.asarray(tok("3<|im_end|>", add_special_tokens=False)["input_ids"], np.int32)
+    obs1 = chat.feedback_observation("3 is incorrect.")
+    text = tok.decode(np.concatenate([prompt, obs0, action, obs1]).tolist())
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": chat.system_prompt}, {"role": "user", "content": "What is 1 + 1?"},
+         {"role": "assistant", "content": "3"}, {"role": "user", "content": "3 is incorrect."}],
+        tokenize=False, add_generation_prompt=True)
+    assert text == expected
+
+
+def test_rollout_is_wire_ready_and_rescored_exactly(roller, tiny_config):
+    task = make_tasks(tiny_config.env, 1)[0]
+    trajectory = decode(encode(roller.rollout(task, behaviour_version=7)), Trajectory)
+    assert trajectory.behaviour_version == 7 and trajectory.trajectory_id == f"{task.task_id}#0"
+    # A random tiny model never answers right: all attempts are used, and with recent_window=1 the
+    # third step sees the first through memory, the second in full text.
+    assert len(trajectory.steps) == tiny_config.env.max_turns == 3
+    assert [s.memory_slots.tolist() for s in trajectory.steps] == [[], [], [0]]
+    assert len(trajectory.memory.vectors) == 1 and trajectory.memory.vectors.dtype == np.int8
+    assert trajectory.compression["ratio"] > 1
+    inputs = training_inputs(trajectory)
+    batch = collate_steps(inputs, roller.encoder.dim, [trajectory.temperature] * len(inputs))
+    with torch.no_grad():
+        scored = roller.policy(batch)
+    for row, step in enumerate(trajectory.steps):
+        np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-4)

@@ -1,0 +1,50 @@
+"""Config: precedence of file, env and overrides; bad values fail naming the field."""
+
+import pytest
+
+from sao.config import ConfigError, SaoConfig, load_config, to_toml
+
+
+def test_defaults_validate():
+    config = load_config(environ={})
+    assert config.trainer.checkpoint_every == 100
+    assert config.topics.tasks == "sao.tasks"
+
+
+def test_precedence_file_env_overrides(tmp_path):
+    path = tmp_path / "sao.toml"
+    path.write_text("[trainer]\nbatch_size = 4\nlearning_rate = 1e-4\n[env]\nmax_turns = 5\n")
+    config = load_config(path, ["trainer.batch_size=16"], environ={"SAO__TRAINER__LEARNING_RATE": "2e-5",
+                                                                  "SAO__ENV__MAX_TURNS": "2"})
+    assert config.trainer.batch_size == 16  # --set beats the file
+    assert config.trainer.learning_rate == 2e-5  # env beats the file
+    assert config.env.max_turns == 2
+
+
+@pytest.mark.parametrize("override, field", [
+    ("trainer.batch_size=0", "trainer.batch_size"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip"),
+    ("policy.temperature=0", "policy.temperature"),
+    ("trainer.baseline_key=\"group\"", "trainer.baseline_key"),
+    ("trainer.no_such_knob=1", "trainer.no_such_knob"),
+    ("nosection.x=1", "nosection"),
+])
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        load_config(overrides=[override], environ={})
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="section.knob=value"):
+        load_config(overrides=["trainer.batch_size"], environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_toml_rendering_round_trips(tmp_path):
+    config = load_config(overrides=["trainer.deepspeed={ zero_optimization = { stage = 3 } }",
+                                    "policy.system_prompt=\"say \\\"hi\\\"\""], environ={})
+    path = tmp_path / "effective.toml"
+    path.write_text(to_toml(config))
+    assert load_config(path, environ={}) == config
+    assert isinstance(config, SaoConfig)
