@@ -86,11 +86,12 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
     cfg = _config(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None, "run.num_tasks": num_tasks,
                                    "sampler.num_samplers": samplers, "policy.model": model,
                                    "broker.bootstrap_servers": bootstrap_servers})
+    from sao.envs.registry import UnknownEnv
     from sao.launcher import RunFailed, run as run_loop
 
     try:
         run_loop(cfg, console)
-    except RunFailed as err:
+    except (RunFailed, UnknownEnv) as err:
         console.print(f"[red]run failed:[/] {err}")
         raise typer.Exit(1) from err
 

@@ -35,7 +35,7 @@ class TopicsConfig(Section):
 
 
 class EnvConfig(Section):
-    name: Literal["arithmetic"] = Field("arithmetic", description="Built-in environment.")
+    name: str = Field("arithmetic", description="Built-in env name, or `package.module:Class` of your own (see sao/envs/registry.py).")
     dataset: str = Field("basic_arithmetic", description="reasoning-gym dataset the tasks come from.")
     dataset_options: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,

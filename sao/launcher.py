@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sao.config import SaoConfig, to_toml
-from sao.envs.arithmetic import make_tasks
+from sao.envs.registry import env_class, make_tasks
 from sao.schema import encode
 from sao.status import read_all_status, read_status
 from sao.transport.broker import EmbeddedBroker
@@ -67,6 +67,7 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
 
 
 def run(config: SaoConfig, console: Console) -> dict:
+    env_class(config.env.name)  # a bad env.name fails here, before any process starts
     run_dir = new_run_dir(config)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"

@@ -36,6 +36,18 @@ class ArithmeticEnv:
 
     name = "arithmetic"
 
+    @classmethod
+    def from_config(cls, config: EnvConfig) -> ArithmeticEnv:
+        return cls(max_turns=config.max_turns, retry_discount=config.retry_discount)
+
+    @classmethod
+    def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0) -> list[Task]:
+        """`count` tasks from the configured dataset, indices [start_index, start_index + count)."""
+        size = start_index + count
+        spec = {"dataset": config.dataset, "size": size, "seed": config.seed, "options": config.dataset_options}
+        return [Task(task_id=f"{config.dataset}/{config.seed}/{index}", env=cls.name, spec={**spec, "index": index})
+                for index in range(start_index, size)]
+
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5):
         self.max_turns = max_turns
         self.retry_discount = retry_discount
@@ -62,15 +74,3 @@ class ArithmeticEnv:
             return Feedback("Incorrect.", 0.0, True, info)
         hint = "That is not a number." if answer is None else f"{answer} is incorrect."
         return Feedback(f"{hint} Try again: reply with only the final answer.", 0.0, False, info)
-
-
-def make_tasks(config: EnvConfig, count: int, start_index: int = 0) -> list[Task]:
-    """`count` tasks from the configured dataset, indices [start_index, start_index + count)."""
-    size = start_index + count
-    spec = {"dataset": config.dataset, "size": size, "seed": config.seed, "options": config.dataset_options}
-    return [Task(task_id=f"{config.dataset}/{config.seed}/{index}", env=ArithmeticEnv.name,
-                 spec={**spec, "index": index}) for index in range(start_index, size)]
-
-
-def make_env(config: EnvConfig) -> ArithmeticEnv:
-    return ArithmeticEnv(max_turns=config.max_turns, retry_discount=config.retry_discount)

@@ -20,7 +20,7 @@ from confluent_kafka import KafkaException
 from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
-from sao.envs.arithmetic import make_env
+from sao.envs.registry import make_env
 from sao.policy.loading import load_tokenizer
 from sao.policy.weights import WeightsMismatch, build_policy, read_weights_into
 from sao.producers.policy_follow import PolicyFollower

@@ -3,7 +3,8 @@
 import pytest
 
 from sao.config import EnvConfig
-from sao.envs.arithmetic import last_number, make_env, make_tasks
+from sao.envs.arithmetic import last_number
+from sao.envs.registry import UnknownEnv, env_class, make_env, make_tasks
 
 
 @pytest.mark.parametrize("text, number", [("The answer is 12.", "12"), ("-3", "-3"), ("1 + 2 = 3", "3"),
@@ -46,3 +47,11 @@ def test_tasks_are_deterministic_and_distinct():
     assert len({t.task_id for t in a}) == 5
     questions = [make_env(EnvConfig()).reset(t.spec) for t in a]
     assert questions == [make_env(EnvConfig()).reset(t.spec) for t in b]
+
+
+def test_registry_loads_builtins_and_import_paths_and_names_bad_ones():
+    assert env_class("arithmetic").name == "arithmetic"
+    assert env_class("sao.envs.arithmetic:ArithmeticEnv") is env_class("arithmetic")
+    for bad in ("nope", "sao.envs.arithmetic:Missing", "no_such_module_xyz:Env"):
+        with pytest.raises(UnknownEnv, match="env.name"):
+            env_class(bad)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sao.compression.temporal import load_temporal_filter
-from sao.envs.arithmetic import make_env, make_tasks
+from sao.envs.registry import make_env, make_tasks
 from sao.policy.context import training_inputs
 from sao.policy.model import collate_steps
 from sao.policy.weights import build_policy
