@@ -30,6 +30,8 @@ class TopicsConfig(Section):
     trajectories: str = Field("sao.trajectories", description="Samplers -> trainer.")
     policy: str = Field("sao.policy", description="Trainer -> samplers: policy version announcements.")
     dlq: str = Field("sao.dlq", description="Dead letters: malformed, incompatible or rejected messages.")
+    sampler_group: str = Field("sao-samplers", description="Consumer group of the samplers on the tasks topic.")
+    trainer_group: str = Field("sao-trainer", description="Consumer group of the trainer on the trajectories topic.")
     task_partitions: int = Field(4, ge=1, description="Partitions of the tasks topic; caps useful samplers.")
     trajectory_partitions: int = Field(4, ge=1, description="Partitions of the trajectories topic.")
 
@@ -41,10 +43,14 @@ class EnvConfig(Section):
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
                                  "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False},
         description="Keyword arguments of reasoning_gym.create_dataset (difficulty knobs).")
-    max_turns: int = Field(3, ge=1, description="Attempts per task: a wrong answer gets feedback and another try.")
+    max_turns: int = Field(2, ge=1, description="Attempts per task: a wrong answer gets feedback and another try.")
     retry_discount: float = Field(
         0.5, gt=0, le=1, description="Reward of a right answer at attempt k (0-based) is score * discount**k.")
     seed: int = Field(0, description="Seed of the task stream (dataset sampling).")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Env-specific options of a non-reasoning-gym env, e.g. textworld's size, gems, locked_doors, "
+                    "distractors, loops, max_steps (see sao/envs/textworld.py).")
 
 
 class PolicyConfig(Section):
@@ -66,7 +72,9 @@ class CompressionConfig(Section):
     temporal_weights: str | None = Field(None, description="LSTM redundancy filter weights; unset = the shipped default.")
     keep_threshold: float | None = Field(
         None, ge=0, le=2, description="Keep a step whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
-    recent_window: int = Field(1, ge=0, description="Latest finished steps given in full text rather than as memory.")
+    recent_window: int = Field(
+        0, ge=0, description="Latest finished steps given in full text rather than as memory (0: every earlier "
+                             "step reaches the policy only as compressed memory).")
 
 
 class SamplerConfig(Section):
@@ -75,11 +83,31 @@ class SamplerConfig(Section):
 
 
 class TrainerConfig(Section):
-    batch_size: int = Field(8, ge=1, description="Trajectories per optimizer step.")
+    algorithm: Literal["sao", "grpo"] = Field(
+        "sao", description="sao: one trajectory per task, running-mean baseline. grpo: the traditional baseline - "
+                           "group_size attempts per task, group-mean advantage, trained one whole batch at a time.")
+    group_size: int = Field(1, ge=1, description="grpo: attempts per task (the feeder sends each task this often).")
+    batch_size: int = Field(8, ge=1, description="Trajectories per optimizer step; DeepSpeed's train_batch_size "
+                                                 "in trainer.deepspeed overrides it.")
+    max_reuse: int = Field(1, ge=1, description="Times a buffered trajectory may be trained on (1 = exactly once).")
+    priority_exponent: float = Field(
+        0.0, ge=0, description="Replay priority (freshness_decay**staleness * |advantage|)**exponent; 0 = oldest first.")
     learning_rate: float = Field(3e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global L2 gradient norm to this.")
-    tis_clip: float = Field(2.0, gt=0, description="Truncated importance sampling: per-token weight min(rho, tis_clip).")
+    objective: Literal["tis", "ppo", "masked"] = Field(
+        "tis", description="tis: -min(rho, tis_clip).detach() * A * log pi. ppo: decoupled PPO, "
+                           "-min(rho A, clip(rho, 1-ppo_clip, 1+ppo_clip_high) A) with rho against the behaviour policy, "
+                           "dual-clipped at dual_clip * A for A < 0. masked: tis with tokens whose rho leaves "
+                           "[mask_low, mask_high] dropped.")
+    importance_level: Literal["token", "sequence"] = Field(
+        "token", description="tis/masked: one rho per token, or one per trajectory (product over its tokens).")
+    tis_clip: float = Field(2.0, gt=0, description="Truncated importance sampling: weight min(rho, tis_clip).")
+    ppo_clip: float = Field(0.2, gt=0, lt=1, description="ppo: lower clip epsilon (rho >= 1 - ppo_clip).")
+    ppo_clip_high: float | None = Field(None, gt=0, description="ppo: upper clip epsilon; unset = ppo_clip.")
+    dual_clip: float | None = Field(3.0, gt=1, description="ppo: for A < 0 the loss is bounded by dual_clip * |A|; unset = off.")
+    mask_low: float = Field(0.5, gt=0, description="masked: tokens with rho below this are dropped.")
+    mask_high: float = Field(2.0, gt=1, description="masked: tokens with rho above this are dropped.")
     baseline_key: Literal["env", "task_id"] = Field(
         "env", description="Running-mean reward baseline per env (task family) or per task id.")
     baseline_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum of the reward baseline.")
@@ -104,6 +132,19 @@ class RunConfig(Section):
     reward_window: float = Field(0.2, gt=0, le=0.5, description="Fraction of trajectories in the first/last reward window.")
 
 
+class MetricsConfig(Section):
+    host: str = Field(
+        "127.0.0.1", description="Address every process's /metrics endpoint binds to; 0.0.0.0 in containers "
+                                 "or wherever Prometheus scrapes from another machine.")
+    launcher_port: int = Field(9700, ge=0, le=65535, description="/metrics of `sao run` (feeder); 0 disables it.")
+    trainer_port: int = Field(
+        9701, ge=0, le=65535, description="/metrics of the trainer; rank r of a multi-process trainer serves "
+                                          "trainer_port + LOCAL_RANK. 0 disables it.")
+    sampler_port: int = Field(
+        9710, ge=0, le=65535, description="/metrics of `sao sampler`; `sao run` gives sampler i the port "
+                                          "sampler_port + i. 0 disables it.")
+
+
 class SaoConfig(Section):
     broker: BrokerConfig = BrokerConfig()
     topics: TopicsConfig = TopicsConfig()
@@ -113,6 +154,7 @@ class SaoConfig(Section):
     sampler: SamplerConfig = SamplerConfig()
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
 
 class ConfigError(ValueError):

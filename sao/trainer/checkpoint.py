@@ -22,7 +22,8 @@ class TrainerState:
     policy_version: int = 0
     offsets: dict[int, int] = field(default_factory=dict)  # next offset to read, per partition
     baseline: dict = field(default_factory=dict)
-    seen_trajectory_ids: list[str] = field(default_factory=list)
+    seen_trajectory_ids: list[str] = field(default_factory=list)  # trained or dead-lettered, never again
+    handled: int = 0  # trajectories trained or dead-lettered up to this checkpoint
 
     @classmethod
     def from_json(cls, data: dict) -> TrainerState:

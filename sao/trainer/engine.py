@@ -48,12 +48,28 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def batch_layout(trainer: TrainerConfig, world_size: int) -> tuple[int, int]:
+    """(trajectories per optimizer step, gradient-accumulation micro-batches).
+
+    DeepSpeed's own keys in `trainer.deepspeed` win, so batch settings live in one place:
+    train_batch_size (else trainer.batch_size) and gradient_accumulation_steps (else 1). Each
+    rank scores train_batch_size / (accumulation * world_size) trajectories per micro-batch.
+    """
+    user = trainer.deepspeed
+    batch = int(user.get("train_batch_size", trainer.batch_size))
+    accumulation = int(user.get("gradient_accumulation_steps", 1))
+    if batch % (accumulation * world_size):
+        raise ValueError(f"trainer.deepspeed: train_batch_size {batch} is not divisible by "
+                         f"gradient_accumulation_steps {accumulation} x world size {world_size}")
+    return batch, accumulation
+
+
 def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
+    batch, accumulation = batch_layout(trainer, world_size)
     config: dict[str, Any] = {
-        # sao feeds one whole batch of trajectories per forward; DeepSpeed only needs to agree.
-        "train_micro_batch_size_per_gpu": trainer.batch_size,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": trainer.batch_size * world_size,
+        "train_micro_batch_size_per_gpu": batch // (accumulation * world_size),
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": batch,
         "gradient_clipping": trainer.grad_clip,
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
                               "stage3_param_persistence_threshold": 0},

@@ -1,30 +1,33 @@
-"""The trainer process: consume -> batch -> loss -> ZeRO-3 step -> (publish) -> commit -> (checkpoint).
+"""The trainer process: consume -> buffer -> batch -> loss -> ZeRO-3 step -> (publish) -> commit -> (checkpoint).
 
-Reads top to bottom in `Trainer.run`; every arrow is one call. The trainer never waits for a
-particular sampler: it takes whatever fresh trajectories Kafka holds, in arrival order.
+`Trainer.run` reads top to bottom; every arrow is one call. Rank 0 is the only Kafka consumer
+and broadcasts each batch to the other ranks. The trainer never waits for a particular
+sampler: it trains on whatever fresh trajectories Kafka holds, in arrival order (or by priority).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from sao.compression.semantic import load_encoder
 from sao.config import SaoConfig
+from sao.consumers.buffer import BufferEntry, ReplayBuffer
 from sao.consumers.trajectory_stream import TrajectoryStream
-from sao.policy.context import training_inputs
-from sao.policy.model import collate_steps
 from sao.policy.weights import build_policy
 from sao.schema import Trajectory
 from sao.status import write_status
 from sao.trainer.baselines import RewardBaseline
+from sao.trainer.batch import BatchPlan, plan_batch, rank_loss
 from sao.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from sao.trainer.engine import build_engine, shutdown
-from sao.trainer.objectives import tis_policy_gradient_loss, whiten
+from sao.trainer.distributed import broadcast_batch, rank, world_size
+from sao.trainer.engine import batch_layout, build_engine, shutdown
 from sao.trainer.publisher import PolicyPublisher
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import make_producer
@@ -40,22 +43,30 @@ class Trainer:
         self.checkpoint_dir = run_dir / "checkpoints"
         self.memory_dim = load_encoder(config.compression.encoder).dim
         self.engine = build_engine(build_policy(config.policy, self.memory_dim), config.trainer)
+        self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
         self.state = (load_checkpoint(self.engine, self.checkpoint_dir) if resume else None) or TrainerState()
+        self.handled_before_start = self.state.handled  # trained or dead-lettered by earlier lives
         self.baseline = RewardBaseline(config.trainer.baseline_key, config.trainer.baseline_momentum)
         if self.state.baseline:
             self.baseline.load_state_dict(self.state.baseline)
-        self.producer = make_producer(bootstrap)
+        self.is_leader = rank() == 0
+        self.producer = make_producer(bootstrap) if self.is_leader else None
+        self.publisher = PolicyPublisher(self.producer, config.topics.policy, run_dir / "policy",
+                                         config.trainer.keep_versions)
+        self.buffer = ReplayBuffer(config.trainer.max_reuse, config.trainer.priority_exponent,
+                                   config.trainer.freshness_decay)
         self.stream = TrajectoryStream(bootstrap, config.topics.trajectories,
                                        DeadLetterQueue(self.producer, config.topics.dlq),
                                        config.trainer.max_staleness, self.state.offsets,
-                                       set(self.state.seen_trajectory_ids))
-        self.publisher = PolicyPublisher(self.producer, config.topics.policy, run_dir / "policy",
-                                         config.trainer.keep_versions)
-        self.history: dict[str, list] = {"reward": [], "behaviour_version": [], "staleness": [], "compression_ratio": [],
-                                         "loss": [], "ratio_mean": [], "ratio_abs_dev": [], "clip_fraction": [],
-                                         "kl_k3": [], "grad_norm": [], "step_s": [], "trained_at": []}
+                                       set(self.state.seen_trajectory_ids),
+                                       config.topics.trainer_group) if self.is_leader else None
+        self.history: dict[str, list] = {key: [] for key in (
+            "reward", "behaviour_version", "staleness", "compression_ratio", "loss", "ratio_mean", "ratio_abs_dev",
+            "clip_fraction", "kl_k3", "grad_norm", "step_s", "trained_at")}
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
+        if resume and self.is_leader:
+            self._ledger({"resumed_from_step": self.state.step})
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
@@ -63,91 +74,120 @@ class Trainer:
     def run(self, expected_trajectories: int | None = None) -> dict:
         """Train until `max_steps`, until `expected_trajectories` are handled, or until stopped."""
         cfg = self.config.trainer
+        checkpointed_at = self.state.step
         try:
-            while not self._finished(expected_trajectories):
-                batch = self._collect_batch(expected_trajectories)
-                if not batch:
-                    continue
-                self._train_step(batch)
+            while True:
+                raw_batch = self._collect(expected_trajectories)  # rank 0 only; empty means stop
+                batch, stop = broadcast_batch(raw_batch, self.is_leader and not raw_batch, self.engine.device)
+                if stop:
+                    break
+                self._train_step(plan_batch(batch, self.baseline, cfg, self.state.policy_version))
                 self.state.step += 1
+                self._ledger({"step": self.state.step, "policy_version": self.state.policy_version,
+                              "trajectory_ids": [t.trajectory_id for t in batch]})
                 if self.state.step % cfg.sync_every == 0:
                     self._publish()
-                self.stream.commit()
+                self._commit()
                 if self.state.step % cfg.checkpoint_every == 0:
-                    self._checkpoint()
+                    checkpointed_at = self._checkpoint()
                 self._write_status()
-            if self.state.step % cfg.checkpoint_every != 0 and self.state.step > 0:
+            if self.state.step > checkpointed_at:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
         finally:
             self._write_status(finished=True)
-            self.stream.close()
-            self.producer.flush(10)
+            if self.is_leader:
+                self.stream.close()
+                self.producer.flush(10)
             shutdown()
         return self.status()
 
-    def _finished(self, expected: int | None) -> bool:
-        handled = self.stream.counters.consumed + self.stream.counters.dead_lettered
-        return (self.stopping or (self.config.trainer.max_steps is not None and self.state.step >= self.config.trainer.max_steps)
-                or (expected is not None and handled >= expected))
+    # --- consuming (rank 0) -------------------------------------------------------------
 
-    def _collect_batch(self, expected: int | None) -> list[Trajectory]:
-        """A full batch, or the last partial one when the expected total is almost reached."""
-        batch: list[Trajectory] = []
-        while not self.stopping:
-            handled = self.stream.counters.consumed + self.stream.counters.dead_lettered
-            remaining = None if expected is None else expected - handled
-            want = self.config.trainer.batch_size - len(batch)
-            if remaining is not None:
-                want = min(want, remaining)
-            if want <= 0:
-                break
-            batch += self.stream.next_batch(want, self.state.policy_version, timeout=1.0)
-        return batch
+    def _handled(self) -> int:
+        c = self.stream.counters
+        return self.handled_before_start + c.consumed + c.dead_lettered
 
-    def _train_step(self, batch: list[Trajectory]) -> None:
+    def _should_stop(self, expected: int | None) -> bool:
+        if not self.is_leader:
+            return False  # only rank 0's answer is broadcast
+        max_steps = self.config.trainer.max_steps
+        return (self.stopping or (max_steps is not None and self.state.step >= max_steps)
+                or (expected is not None and self._handled() >= expected and len(self.buffer) == 0))
+
+    def _collect(self, expected: int | None) -> list[bytes] | None:
+        """Rank 0: raw messages of the next batch (empty when training should stop)."""
+        if not self.is_leader:
+            return None
         cfg = self.config.trainer
-        started = time.perf_counter()
-        rewards = torch.tensor([t.total_reward for t in batch])
-        advantages = rewards - torch.tensor([self.baseline.value(t.task_id, t.env) for t in batch])
-        if cfg.whiten_advantages:
-            advantages = whiten(advantages)
-        for trajectory in batch:
-            self.baseline.update(trajectory.task_id, trajectory.env, trajectory.total_reward)
-        staleness = [self.state.policy_version - t.behaviour_version for t in batch]
-        inputs, row_weights, behaviour, temperatures = [], [], [], []
-        for trajectory, advantage, stale in zip(batch, advantages.tolist(), staleness):
-            for step_input, step in zip(training_inputs(trajectory), trajectory.steps):
-                inputs.append(step_input)
-                row_weights.append(advantage * cfg.freshness_decay ** stale)
-                behaviour.append(torch.from_numpy(step.behaviour_logprobs.copy()))
-                temperatures.append(trajectory.temperature)
-        scoring = collate_steps(inputs, self.memory_dim, temperatures).to(self.engine.device)
-        behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=self.engine.device)
-        for row, row_logprobs in enumerate(behaviour):
-            behaviour_logprobs[row, scoring.action_mask[row]] = row_logprobs.to(self.engine.device)
-        logprobs = self.engine(scoring)
-        loss, stats = tis_policy_gradient_loss(logprobs, behaviour_logprobs, scoring.action_mask,
-                                               torch.tensor(row_weights, device=self.engine.device), len(batch),
-                                               cfg.tis_clip)
-        self.engine.backward(loss)
-        self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        self._record(batch, staleness, stats, grad_norm, time.perf_counter() - started)
+        while not self._should_stop(expected):
+            for entry in self.buffer.evict_stale(self.state.policy_version, cfg.max_staleness):
+                self.stream.reject_stale(entry, self.state.policy_version)
+            all_arrived = expected is not None and self._handled() >= expected
+            entries = self._take(all_arrived)
+            if entries:
+                return [entry.raw for entry in entries]
+            for entry in self.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
+                self.buffer.add(entry)
+        return []
 
-    def _record(self, batch, staleness, stats, grad_norm, step_s: float) -> None:
+    def _take(self, all_arrived: bool) -> list[BufferEntry]:
+        cfg = self.config.trainer
+        if cfg.algorithm == "grpo":
+            groups = self.batch_size // cfg.group_size
+            entries = self.buffer.take_groups(groups, cfg.group_size)
+            if len(entries) == groups * cfg.group_size or (all_arrived and entries):
+                return entries
+            for entry in entries:  # not a full batch yet: put the groups back
+                self.buffer.add(entry)
+            return self.buffer.take_groups(len(self.buffer), 1) if all_arrived and len(self.buffer) else []
+        if len(self.buffer) >= self.batch_size or (all_arrived and len(self.buffer)):
+            return self.buffer.take(self.batch_size, self.state.policy_version, self._advantage_of)
+        return []
+
+    def _advantage_of(self, trajectory: Trajectory) -> float:
+        return trajectory.total_reward - self.baseline.value(trajectory.task_id, trajectory.env)
+
+    # --- training (every rank) ------------------------------------------------------------
+
+    def _train_step(self, plan: BatchPlan) -> None:
+        started = time.perf_counter()
+        ranks, count = world_size(), len(plan.trajectories)
+        normaliser = count / (self.accumulation * ranks)
+        chunks = [list(range(count))[i::self.accumulation] for i in range(self.accumulation)]
+        totals = torch.zeros(6, dtype=torch.float64)
+        for chunk in chunks:
+            loss, stats = rank_loss(self.engine, plan, chunk[rank()::ranks], normaliser, self.config.trainer,
+                                    self.memory_dim)
+            self.engine.backward(loss)
+            self.engine.step()
+            totals += torch.tensor([stats.loss, stats.tokens, stats.ratio_mean * stats.tokens,
+                                    stats.ratio_abs_dev * stats.tokens, stats.clip_fraction * stats.tokens,
+                                    stats.kl_k3 * stats.tokens], dtype=torch.float64)
+        if dist.is_initialized() and ranks > 1:
+            dist.all_reduce(totals)
+        grad_norm = self.engine.get_global_grad_norm()
+        tokens = max(float(totals[1]), 1.0)
+        metrics = {"loss": float(totals[0]) / (self.accumulation * ranks), "ratio_mean": float(totals[2]) / tokens,
+                   "ratio_abs_dev": float(totals[3]) / tokens, "clip_fraction": float(totals[4]) / tokens,
+                   "kl_k3": float(totals[5]) / tokens}
+        self._record(plan, metrics, grad_norm, time.perf_counter() - started)
+
+    def _record(self, plan: BatchPlan, metrics: dict[str, float], grad_norm, step_s: float) -> None:
         h = self.history
-        h["reward"] += [t.total_reward for t in batch]
-        h["behaviour_version"] += [t.behaviour_version for t in batch]
-        h["staleness"] += staleness
-        h["compression_ratio"] += [t.compression.get("ratio", 1.0) for t in batch]
-        for name in ("loss", "ratio_mean", "ratio_abs_dev", "clip_fraction", "kl_k3"):
-            h[name].append(getattr(stats, name))
+        h["reward"] += [t.total_reward for t in plan.trajectories]
+        h["behaviour_version"] += [t.behaviour_version for t in plan.trajectories]
+        h["staleness"] += plan.staleness
+        h["compression_ratio"] += [t.compression.get("ratio", 1.0) for t in plan.trajectories]
+        for name, value in metrics.items():
+            h[name].append(value)
         h["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
         h["step_s"].append(step_s)
         h["trained_at"].append(time.time())
-        log.info("step %d: loss %.4f reward %.3f rho %.4f |rho-1| %.2e grad %.2f (%.1f s)", self.state.step + 1,
-                 stats.loss, sum(t.total_reward for t in batch) / len(batch), stats.ratio_mean, stats.ratio_abs_dev,
-                 h["grad_norm"][-1], step_s)
+        log.info("step %d: loss %.4f reward %.3f rho %.4f |rho-1| %.2e clip %.3f grad %.2f (%.1f s)",
+                 self.state.step + 1, metrics["loss"], sum(h["reward"][-len(plan.trajectories):]) / len(plan.trajectories),
+                 metrics["ratio_mean"], metrics["ratio_abs_dev"], metrics["clip_fraction"], h["grad_norm"][-1], step_s)
+
+    # --- after a step ---------------------------------------------------------------------
 
     def _publish(self) -> None:
         started = time.perf_counter()
@@ -155,18 +195,41 @@ class Trainer:
         self.publisher.publish(self.engine, self.state.policy_version, self.state.step)
         log.info("published policy v%d in %.1f s", self.state.policy_version, time.perf_counter() - started)
 
-    def _checkpoint(self) -> None:
-        self.state.offsets = dict(self.stream.offsets)
+    def _safe_offsets(self) -> dict[int, int]:
+        return self.stream.safe_offsets(self.buffer.low_water_marks())
+
+    def _commit(self) -> None:
+        if self.is_leader:
+            self.stream.commit(self._safe_offsets())
+
+    def _checkpoint(self) -> int:
+        if self.is_leader:
+            held = self.buffer.held_ids()
+            self.state.offsets = self._safe_offsets()
+            # Buffered trajectories will be re-read after a resume, so they must not count as seen.
+            self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
+            self.state.handled = self._handled() - len(self.buffer)
         self.state.baseline = self.baseline.state_dict()
-        self.state.seen_trajectory_ids = sorted(self.stream.seen_ids)
         save_checkpoint(self.engine, self.checkpoint_dir, self.state)
+        return self.state.step
+
+    def _ledger(self, record: dict) -> None:
+        """Append-only record of what each step trained on (audits exactly-once delivery)."""
+        if self.is_leader:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / "trained.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
 
     def status(self) -> dict:
-        c = self.stream.counters
+        counters = self.stream.counters if self.is_leader else None
         return {"step": self.state.step, "policy_version": self.state.policy_version,
-                "trajectories_trained": len(self.history["reward"]), "consumed": c.consumed,
-                "duplicates": c.duplicates, "dead_lettered": c.dead_lettered, "too_stale": c.too_stale,
-                "dlq_reasons": c.reasons, "wait_s": c.wait_s, "history": self.history}
+                "trajectories_trained": len(self.history["reward"]),
+                "consumed": counters.consumed if counters else 0, "duplicates": counters.duplicates if counters else 0,
+                "dead_lettered": counters.dead_lettered if counters else 0,
+                "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
+                "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
+                "history": self.history}
 
     def _write_status(self, finished: bool = False) -> None:
-        write_status(self.run_dir / "status" / "trainer.json", {**self.status(), "finished": finished})
+        name = "trainer.json" if self.is_leader else f"trainer-rank{rank()}.json"
+        write_status(self.run_dir / "status" / name, {**self.status(), "finished": finished})

@@ -1,9 +1,14 @@
 """Policy-gradient objectives with off-policy correction, and single-trajectory advantages.
 
-rho_t = pi_theta(a_t | c_t) / mu(a_t | c_t) is computed per action token from the behaviour
-log-probs the sampler recorded. Truncated importance sampling (TIS) weighs each token's
-log-likelihood gradient by min(rho_t, clip), detached, so stale samples neither vanish nor
-explode. The loss is averaged over trajectories, not tokens, so long answers do not weigh more.
+rho = pi_theta(a | c) / mu(a | c) comes from the per-token behaviour log-probs the sampler
+recorded. Three objectives, selected by `trainer.objective`:
+- tis: truncated importance sampling. Each token's log-likelihood gradient is weighted by
+  min(rho, tis_clip), detached, so stale samples neither vanish nor explode.
+- ppo: decoupled PPO. The clipped surrogate takes rho against the behaviour policy (the
+  sampler's log-probs), with a dual clip that bounds the loss for negative advantages.
+- masked: like tis, but tokens whose rho leaves [mask_low, mask_high] are dropped, not truncated.
+A row is one step of a trajectory; losses are summed over tokens and averaged over
+trajectories, so long answers do not weigh more per trajectory.
 """
 
 from __future__ import annotations
@@ -12,40 +17,74 @@ from dataclasses import dataclass
 
 import torch
 
+from sao.config import TrainerConfig
+
 
 @dataclass(frozen=True)
 class LossStats:
     loss: float
     ratio_mean: float
     ratio_abs_dev: float  # mean |rho - 1|
-    clip_fraction: float  # tokens whose weight was truncated
+    clip_fraction: float  # tokens truncated (tis), clipped (ppo) or masked out (masked)
     kl_k3: float  # k3 estimate of KL(mu || pi): E_mu[(rho - 1) - log rho]
     tokens: int
 
 
-def tis_policy_gradient_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
-                             row_weights: torch.Tensor, num_trajectories: int, clip: float
-                             ) -> tuple[torch.Tensor, LossStats]:
-    """-(1/N) sum_rows w_row sum_t min(rho_t, clip) log pi(a_t).
+@dataclass(frozen=True)
+class LossInputs:
+    logprobs: torch.Tensor  # [rows, L] log pi_theta, with grad
+    behaviour_logprobs: torch.Tensor  # [rows, L] log mu
+    mask: torch.Tensor  # [rows, L] bool: action tokens
+    row_weights: torch.Tensor  # [rows] advantage x freshness of the row's trajectory
+    row_trajectory: torch.Tensor  # [rows] long: which trajectory of the batch the row belongs to
+    num_trajectories: int  # the normaliser (the whole batch, across ranks)
 
-    `logprobs`, `behaviour_logprobs`, `mask`: [rows, L]; a row is one step of a trajectory.
-    `row_weights`: [rows] = advantage of the row's trajectory x freshness weight.
-    """
-    mask = mask.to(logprobs.dtype)
-    log_ratio = (logprobs.detach() - behaviour_logprobs) * mask
+
+def _sequence_log_ratio(log_ratio: torch.Tensor, row_trajectory: torch.Tensor, count: int) -> torch.Tensor:
+    """Every token of a trajectory gets the trajectory's summed log-ratio (one rho per sequence)."""
+    per_row = log_ratio.sum(dim=-1)
+    per_trajectory = torch.zeros(count, dtype=per_row.dtype, device=per_row.device).index_add(0, row_trajectory, per_row)
+    return per_trajectory[row_trajectory].unsqueeze(-1).expand_as(log_ratio)
+
+
+def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, LossStats]:
+    mask = inputs.mask.to(inputs.logprobs.dtype)
+    token_log_ratio = (inputs.logprobs - inputs.behaviour_logprobs) * mask
+    log_ratio = token_log_ratio
+    if cfg.importance_level == "sequence" and cfg.objective != "ppo":
+        count = int(inputs.row_trajectory.max()) + 1 if inputs.row_trajectory.numel() else 0
+        log_ratio = _sequence_log_ratio(token_log_ratio, inputs.row_trajectory, count) * mask
     ratio = torch.exp(log_ratio)
-    truncated = torch.clamp(ratio, max=clip)
-    per_row = (truncated * logprobs * mask).sum(dim=-1)
-    loss = -(row_weights * per_row).sum() / num_trajectories
-    tokens = mask.sum().clamp(min=1)
-    stats = LossStats(
-        loss=float(loss.detach()),
-        ratio_mean=float((ratio * mask).sum() / tokens),
-        ratio_abs_dev=float(((ratio - 1).abs() * mask).sum() / tokens),
-        clip_fraction=float(((ratio > clip).to(mask.dtype) * mask).sum() / tokens),
-        kl_k3=float((((ratio - 1) - log_ratio) * mask).sum() / tokens),
-        tokens=int(mask.sum()),
-    )
+    advantage = inputs.row_weights.unsqueeze(-1)
+    if cfg.objective == "ppo":
+        high = cfg.ppo_clip_high if cfg.ppo_clip_high is not None else cfg.ppo_clip
+        clipped = torch.clamp(ratio, 1 - cfg.ppo_clip, 1 + high)
+        surrogate = torch.minimum(ratio * advantage, clipped * advantage)
+        if cfg.dual_clip is not None:
+            surrogate = torch.where(advantage < 0, torch.maximum(surrogate, cfg.dual_clip * advantage), surrogate)
+        per_token = -surrogate
+        affected = (clipped != ratio).to(mask.dtype)
+    else:
+        weight = ratio.detach()
+        if cfg.objective == "masked":
+            affected = ((weight < cfg.mask_low) | (weight > cfg.mask_high)).to(mask.dtype)
+            weight = weight * (1 - affected)
+        else:
+            affected = (weight > cfg.tis_clip).to(mask.dtype)
+            weight = torch.clamp(weight, max=cfg.tis_clip)
+        per_token = -weight * advantage * inputs.logprobs
+    loss = (per_token * mask).sum() / inputs.num_trajectories
+    with torch.no_grad():
+        token_ratio = torch.exp(token_log_ratio)
+        tokens = mask.sum().clamp(min=1)
+        stats = LossStats(
+            loss=float(loss),
+            ratio_mean=float((token_ratio * mask).sum() / tokens),
+            ratio_abs_dev=float(((token_ratio - 1).abs() * mask).sum() / tokens),
+            clip_fraction=float((affected * mask).sum() / tokens),
+            kl_k3=float((((token_ratio - 1) - token_log_ratio) * mask).sum() / tokens),
+            tokens=int(mask.sum()),
+        )
     return loss, stats
 
 

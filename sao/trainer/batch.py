@@ -1,0 +1,73 @@
+"""Turn a batch of trajectories into one rank's loss: advantages, rows, importance correction.
+
+Every rank receives the same batch (rank 0 consumed it and broadcast the raw bytes), computes
+the same advantages and baseline updates, and scores only its own share of trajectories. The
+loss normaliser makes DeepSpeed's average over ranks and gradient-accumulation micro-batches
+equal the full-batch loss: 1 rank and 2 ranks follow the same curve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sao.config import TrainerConfig
+from sao.policy.context import training_inputs
+from sao.policy.model import collate_steps
+from sao.schema import Trajectory
+from sao.trainer.baselines import RewardBaseline
+from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    trajectories: list[Trajectory]
+    advantages: list[float]
+    staleness: list[int]
+
+
+def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int,
+               group_size: int = 1) -> BatchPlan:
+    """Advantages for the whole batch, then update the baselines with its rewards.
+
+    SAO: reward minus the task's running-mean baseline (never a group mean, which is zero at
+    group size 1). GRPO (group_size > 1): reward minus the mean of its group of attempts.
+    """
+    rewards = torch.tensor([t.total_reward for t in batch])
+    if cfg.algorithm == "grpo":
+        group_means = {}
+        for task_id in {t.task_id for t in batch}:
+            group_means[task_id] = rewards[[i for i, t in enumerate(batch) if t.task_id == task_id]].mean()
+        advantages = rewards - torch.stack([group_means[t.task_id] for t in batch])
+    else:
+        advantages = rewards - torch.tensor([baseline.value(t.task_id, t.env) for t in batch])
+    if cfg.whiten_advantages:
+        advantages = whiten(advantages)
+    for trajectory in batch:
+        baseline.update(trajectory.task_id, trajectory.env, trajectory.total_reward)
+    return BatchPlan(batch, advantages.tolist(), [policy_version - t.behaviour_version for t in batch])
+
+
+def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cfg: TrainerConfig,
+              memory_dim: int) -> tuple[torch.Tensor, LossStats]:
+    """Forward the given trajectories of the plan; rows with weight 0 keep idle ranks in step."""
+    inputs, row_weights, behaviour, temperatures, row_trajectory = [], [], [], [], []
+    for local, index in enumerate(indices if indices else [0]):
+        trajectory = plan.trajectories[index]
+        weight = plan.advantages[index] * cfg.freshness_decay ** plan.staleness[index] if indices else 0.0
+        for step_input, step in zip(training_inputs(trajectory), trajectory.steps):
+            inputs.append(step_input)
+            row_weights.append(weight)
+            behaviour.append(torch.from_numpy(step.behaviour_logprobs.copy()))
+            temperatures.append(trajectory.temperature)
+            row_trajectory.append(local)
+    device = engine.device
+    scoring = collate_steps(inputs, memory_dim, temperatures).to(device)
+    behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=device)
+    for row, row_logprobs in enumerate(behaviour):
+        behaviour_logprobs[row, scoring.action_mask[row]] = row_logprobs.to(device)
+    logprobs = engine(scoring)
+    return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask,
+                                  torch.tensor(row_weights, device=device),
+                                  torch.tensor(row_trajectory, device=device), normaliser), cfg)

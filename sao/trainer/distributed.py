@@ -1,0 +1,50 @@
+"""Share each batch from rank 0 (the only Kafka consumer) with the other ranks.
+
+Rank 0 consumes; every rank needs the same trajectories. The raw msgpack bytes travel as a
+uint8 tensor (torch's broadcast_object_list would pickle, which sao never does across
+processes), and every rank decodes them with the same validating codec.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sao.schema import Trajectory, decode
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def broadcast_batch(raw_messages: list[bytes] | None, stop: bool, device: torch.device) -> tuple[list[Trajectory], bool]:
+    """Rank 0 passes its messages and whether training should stop; every rank gets both back."""
+    if world_size() == 1:
+        return [decode(raw, Trajectory) for raw in raw_messages or []], stop
+    header = torch.zeros(2, dtype=torch.long, device=device)
+    if rank() == 0:
+        lengths = torch.tensor([len(raw) for raw in raw_messages or []], dtype=torch.long, device=device)
+        header[0], header[1] = len(lengths), int(stop)
+    dist.broadcast(header, src=0)
+    count, stop = int(header[0]), bool(header[1])
+    if rank() != 0:
+        lengths = torch.zeros(count, dtype=torch.long, device=device)
+    dist.broadcast(lengths, src=0)
+    total = int(lengths.sum())
+    if rank() == 0:
+        payload = torch.frombuffer(bytearray(b"".join(raw_messages or [])), dtype=torch.uint8).to(device) if total else \
+            torch.zeros(0, dtype=torch.uint8, device=device)
+    else:
+        payload = torch.zeros(total, dtype=torch.uint8, device=device)
+    if total:
+        dist.broadcast(payload, src=0)
+    data = payload.cpu().numpy().tobytes()
+    batch, start = [], 0
+    for length in lengths.tolist():
+        batch.append(decode(data[start:start + length], Trajectory))
+        start += length
+    return batch, stop
