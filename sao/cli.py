@@ -21,6 +21,7 @@ from rich.console import Console  # noqa: E402
 from rich.logging import RichHandler  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from sao.compression.cli import compression_app  # noqa: E402
 from sao.config import ConfigError, SaoConfig, load_config, to_toml  # noqa: E402
 
 app = typer.Typer(help="Asynchronous single-trajectory RL post-training through Kafka.", no_args_is_help=True,
@@ -29,12 +30,14 @@ broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_
 config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
 app.add_typer(broker_app, name="broker")
 app.add_typer(config_app, name="config")
+app.add_typer(compression_app, name="compression")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any knob: section.knob=value.")]
 BootstrapOpt = Annotated[Optional[str], typer.Option(help="Kafka bootstrap servers (default: broker.bootstrap_servers).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (logs, weights, checkpoints, summary).")]
+MetricsPortOpt = Annotated[Optional[int], typer.Option(help="Port of this process's /metrics; 0 disables it.")]
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -65,6 +68,12 @@ def _literal(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _serve_metrics(config: SaoConfig, port: int, role: str) -> None:
+    from sao.observability import start_metrics_server
+
+    start_metrics_server(config.metrics.host, port, role)
+
+
 def _bootstrap(config: SaoConfig, flag: str | None) -> str:
     bootstrap = flag or config.broker.bootstrap_servers
     if not bootstrap:
@@ -80,12 +89,14 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
         num_tasks: Annotated[Optional[int], typer.Option(help="run.num_tasks")] = None,
         samplers: Annotated[Optional[int], typer.Option(help="sampler.num_samplers")] = None,
         model: Annotated[Optional[str], typer.Option(help="policy.model")] = None,
-        bootstrap_servers: BootstrapOpt = None) -> None:
+        bootstrap_servers: BootstrapOpt = None, metrics_port: MetricsPortOpt = None) -> None:
     """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""
     _setup_logging()
     cfg = _config(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None, "run.num_tasks": num_tasks,
                                    "sampler.num_samplers": samplers, "policy.model": model,
-                                   "broker.bootstrap_servers": bootstrap_servers})
+                                   "broker.bootstrap_servers": bootstrap_servers,
+                                   "metrics.launcher_port": metrics_port})
+    _serve_metrics(cfg, cfg.metrics.launcher_port, "launcher")
     from sao.envs.registry import UnknownEnv
     from sao.launcher import RunFailed, run as run_loop
 
@@ -100,10 +111,12 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
 def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
             sampler_id: Annotated[str, typer.Option(help="Name of this sampler in logs and trajectories.")] = "sampler-0",
             run_dir: RunDirOpt = None,
-            max_tasks: Annotated[Optional[int], typer.Option(help="Exit after this many tasks.")] = None) -> None:
+            max_tasks: Annotated[Optional[int], typer.Option(help="Exit after this many tasks.")] = None,
+            metrics_port: MetricsPortOpt = None) -> None:
     """Consume tasks, roll out one trajectory each, compress, produce; reload new policies."""
     _setup_logging()
-    cfg = _config(config, set_)
+    cfg = _config(config, set_, **{"metrics.sampler_port": metrics_port})
+    _serve_metrics(cfg, cfg.metrics.sampler_port, "sampler")
     from sao.producers.sampler import Sampler
 
     status = run_dir / "status" / f"{sampler_id}.json" if run_dir else None
@@ -115,10 +128,13 @@ def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
             run_dir: Annotated[Path, typer.Option(help="Weights, checkpoints and status go here.")] = Path("runs/trainer"),
             resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint in run-dir.")] = False,
             expect: Annotated[Optional[int], typer.Option(help="Exit after this many trajectories are handled.")] = None,
-            ) -> None:
+            metrics_port: MetricsPortOpt = None) -> None:
     """Consume trajectories and train the policy with DeepSpeed ZeRO-3; publish versions."""
     _setup_logging()
-    cfg = _config(config, set_)
+    cfg = _config(config, set_, **{"metrics.trainer_port": metrics_port})
+    # Rank 0 consumes, and records the all-reduced step figures: it alone speaks for the trainer.
+    if int(os.environ.get("RANK", "0")) == 0:
+        _serve_metrics(cfg, cfg.metrics.trainer_port, "trainer")
     from sao.trainer.loop import Trainer
 
     Trainer(cfg, _bootstrap(cfg, bootstrap_servers), run_dir, resume=resume).run(expect)

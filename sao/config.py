@@ -138,8 +138,7 @@ class MetricsConfig(Section):
                                  "or wherever Prometheus scrapes from another machine.")
     launcher_port: int = Field(9700, ge=0, le=65535, description="/metrics of `sao run` (feeder); 0 disables it.")
     trainer_port: int = Field(
-        9701, ge=0, le=65535, description="/metrics of the trainer; rank r of a multi-process trainer serves "
-                                          "trainer_port + LOCAL_RANK. 0 disables it.")
+        9701, ge=0, le=65535, description="/metrics of the trainer (rank 0 of a multi-process trainer); 0 disables it.")
     sampler_port: int = Field(
         9710, ge=0, le=65535, description="/metrics of `sao sampler`; `sao run` gives sampler i the port "
                                           "sampler_port + i. 0 disables it.")

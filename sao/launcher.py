@@ -3,7 +3,7 @@
 Samplers and the trainer run as separate processes through the same CLI commands a cluster
 deployment uses (`sao sampler`, `sao trainer`), so `sao run` exercises the production path.
 They report progress through status files in the run directory; the launcher only watches,
-then writes `summary.json` and prints it.
+then writes `summary.json`, `report.md` and its plots, and prints where they are.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from rich.table import Table
 
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import env_class, make_tasks
+from sao.metrics import record_feed
+from sao.report import write_report
 from sao.schema import encode
 from sao.status import read_all_status, read_status
 from sao.transport.broker import EmbeddedBroker
@@ -89,7 +91,9 @@ def run(config: SaoConfig, console: Console) -> dict:
         processes["trainer"] = _spawn(["trainer", *common, "--expect", str(config.run.num_tasks)],
                                       run_dir / "logs" / "trainer.log")
         for i in range(config.sampler.num_samplers):
-            processes[f"sampler-{i}"] = _spawn(["sampler", *common, "--sampler-id", f"sampler-{i}"],
+            metrics_port = config.metrics.sampler_port + i if config.metrics.sampler_port else 0
+            processes[f"sampler-{i}"] = _spawn(["sampler", *common, "--sampler-id", f"sampler-{i}",
+                                                "--metrics-port", str(metrics_port)],
                                                run_dir / "logs" / f"sampler-{i}.log")
         _watch(config, bootstrap, run_dir, processes, console, started)
     finally:
@@ -99,7 +103,9 @@ def run(config: SaoConfig, console: Console) -> dict:
     summary = build_summary(config, run_dir, time.time() - started)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(summary_table(summary))
+    report = write_report(run_dir, summary)
     console.print(f"run directory: [bold]{run_dir}[/] (summary.json, logs/, policy/, checkpoints/)")
+    console.print(f"report: [bold]{report}[/] (plots in {report.parent / 'plots'})")
     return summary
 
 
@@ -124,9 +130,11 @@ def _watch(config: SaoConfig, bootstrap: str, run_dir: Path, processes: dict[str
             trained = trainer.get("trajectories_trained", 0) + trainer.get("dead_lettered", 0)
             # Backpressure: samplers never run more than `in_flight_cap` tasks ahead of the
             # trainer, which bounds staleness instead of producing work that goes stale.
+            wave = 0
             if fed < total and fed - trained < in_flight_cap:
                 wave = min(total - fed, in_flight_cap - (fed - trained))
                 fed += feed_tasks(config, bootstrap, wave, start_index=fed, producer=producer)
+            record_feed(wave, fed - trained)
             rewards = trainer.get("history", {}).get("reward", [])
             recent = rewards[-16:]
             progress.update(trained_bar, completed=trainer.get("trajectories_trained", 0),

@@ -1,10 +1,13 @@
-"""Build the temporal-filter weights that ship with sao, from synthetic tutoring dialogues.
+"""Build the temporal-filter weights that ship with sao, from scripted episodes of both built-in envs.
 
-No LM is involved: arithmetic tutoring episodes are generated deterministically from the seed
-in the sampler's step-text format (observation + "\\n" + action), embedded with the default
-encoder, and used to train and calibrate the LSTM.
+No LM is involved: arithmetic tutoring dialogues and text-labyrinth episodes (played by the
+scripted agents of sao.envs.textworld_agents) are generated deterministically from the seed in
+the sampler's step-text format (observation + "\\n" + action), embedded with the default
+encoder, and used to train the LSTM and calibrate one keep threshold for both.
 
     python -m sao.compression.default_weights --seed 0
+
+This build script reads the envs; the compression library itself does not import them.
 """
 
 from __future__ import annotations
@@ -125,22 +128,41 @@ def tutoring_episodes(seed: int, short: int = 500, long: int = 60) -> list[list[
     return episodes
 
 
+def labyrinth_episodes(seed: int, count: int = 20) -> list[list[str]]:
+    """`count` text-labyrinth episodes of varied size: 4 in 5 by the noisy expert, 1 in 5 random."""
+    from sao.config import EnvConfig
+    from sao.envs.textworld import TextWorldEnv
+    from sao.envs.textworld_agents import make_agent, record_episode
+
+    rng = random.Random(seed)
+    env, episodes = TextWorldEnv(), []
+    for index in range(count):
+        options = {"size": rng.choice([6, 8, 10, 12]), "gems": rng.randint(2, 5),
+                   "locked_doors": rng.randint(0, 2), "max_steps": 600}
+        task = TextWorldEnv.make_tasks(EnvConfig(name="textworld", seed=1000 + seed, options=options), 1, index)[0]
+        agent = make_agent("random" if index % 5 == 4 else "noisy", seed=index, noise=rng.choice([0.1, 0.2, 0.3]))
+        episodes.append(record_episode(env, task.task_id, task.spec, agent).texts())
+    return episodes
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Generate the corpus, train with hidden=128, calibrate to keep 60%, write the weights."""
+    """Generate the corpus, train with hidden=128, calibrate to keep half the steps, write the weights."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS_PATH)
     parser.add_argument("--short-episodes", type=int, default=500)
     parser.add_argument("--long-episodes", type=int, default=60)
+    parser.add_argument("--labyrinth-episodes", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--keep-ratio", type=float, default=0.6)
+    parser.add_argument("--keep-ratio", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
 
     episodes = tutoring_episodes(args.seed, args.short_episodes, args.long_episodes)
+    episodes += labyrinth_episodes(args.seed, args.labyrinth_episodes)
     encoder = load_encoder(DEFAULT_MODEL)
     temporal_filter = train_from_texts(
         episodes, encoder, target_keep_ratio=args.keep_ratio,
@@ -151,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         "threshold": temporal_filter.threshold,
         "command": " ".join(["python -m sao.compression.default_weights", *argv]),
         "corpus": f"synthetic arithmetic tutoring: {args.short_episodes} short + "
-                  f"{args.long_episodes} long episodes, questions from {question_source()}",
+                  f"{args.long_episodes} long episodes, questions from {question_source()}; "
+                  f"{args.labyrinth_episodes} textworld episodes by the scripted agents",
     }
     save_temporal_weights(temporal_filter.model, args.out, meta)
     training = meta["training"]

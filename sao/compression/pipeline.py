@@ -56,6 +56,16 @@ class CompressionStats:
         return self.fp32_bytes / self.int8_bytes if self.int8_bytes else 0.0
 
 
+def visible_slots_at(created_at_step: Sequence[int], step: int, recent_window: int) -> list[int]:
+    """Slots the policy sees at `step`: those created before the last `recent_window` finished steps.
+
+    The last `recent_window` finished steps reach the policy as full text instead. Slots are
+    created in step order, so the visible ones are always a prefix.
+    """
+    horizon = step - 1 - recent_window
+    return [i for i, created in enumerate(created_at_step) if created <= horizon]
+
+
 class _SlotTable:
     """The slot bookkeeping both paths share, so they cannot drift apart."""
 
@@ -71,10 +81,7 @@ class _SlotTable:
         self.created_at: list[int] = []
 
     def visible(self) -> list[int]:
-        # The last `recent_window` finished steps reach the policy as full text instead. Slots
-        # are created in step order, so the visible ones are always a prefix.
-        horizon = self.steps - 1 - self.recent_window
-        return [i for i, created in enumerate(self.created_at) if created <= horizon]
+        return visible_slots_at(self.created_at, self.steps, self.recent_window)
 
     def add(self, embedding: np.ndarray, reward: float, decision: Decision) -> None:
         step = self.steps
@@ -181,15 +188,20 @@ def compress_batch(
     encoder: SemanticEncoder,
     temporal_filter: TemporalFilter,
     recent_window: int = 1,
+    embeddings: np.ndarray | None = None,
 ) -> tuple[MemoryTable, list[list[int]], list[Decision]]:
     """Compress a finished trajectory at once; equals running OnlineCompressor step by step.
 
+    `embeddings`, if given, are `encoder.encode(texts)` computed earlier (saves encoding twice).
     Returns the memory table, the slots visible before each step, and each step's decision.
     """
     if len(texts) != len(rewards):
         raise ValueError(f"{len(texts)} step texts but {len(rewards)} rewards")
     _check_compatible(encoder, temporal_filter)
-    embeddings = encoder.encode(list(texts))
+    if embeddings is None:
+        embeddings = encoder.encode(list(texts))
+    elif embeddings.shape != (len(texts), encoder.dim):
+        raise ValueError(f"embeddings {embeddings.shape} do not match {len(texts)} texts of {encoder.dim} dims")
     decisions = temporal_filter.filter_batch(embeddings, rewards)
     slots = _SlotTable(encoder.dim, recent_window)
     visible: list[list[int]] = []

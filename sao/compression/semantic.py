@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 
 import numpy as np
+
+from sao.metrics import record_encode
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,10 @@ def _resolve(model: str) -> tuple[str, str]:
 
 class SemanticEncoder:
     """A sentence-transformers model that maps texts to float32 unit vectors.
+
+    Any sentence-transformers folder or name works, and so does a plain Hugging Face encoder
+    folder such as a BERT-base checkpoint (sentence-transformers then mean-pools its token
+    states); the embedding dimension is read from the model.
 
     A text's embedding does not depend on which other texts share its batch: texts are grouped
     by token count so none is padded. Padding changes the float summation order inside
@@ -51,8 +58,17 @@ class SemanticEncoder:
         self.dim = int(dim)
         logger.info("loaded sentence encoder %s (%d-d) on %s", self.name, self.dim, device)
 
+    @property
+    def model(self):
+        """The underlying SentenceTransformer (benchmarks compare against its own encode)."""
+        return self._model
+
     def encode(self, texts: list[str]) -> np.ndarray:
-        """Embed `texts` into a float32 [n, dim] array of unit vectors, in input order."""
+        """Embed `texts` into a float32 [n, dim] array of unit vectors, in input order.
+
+        Each call's throughput goes to the `sao_encoder_*` metrics.
+        """
+        started = time.perf_counter()
         texts = list(texts)
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for indices in self._same_length_groups(texts):
@@ -64,6 +80,7 @@ class SemanticEncoder:
                 show_progress_bar=False,
             )
             out[indices] = vectors.astype(np.float32, copy=False)
+        record_encode(self.name, len(texts), time.perf_counter() - started)
         return out
 
     def _same_length_groups(self, texts: list[str]) -> list[list[int]]:

@@ -52,6 +52,7 @@ def train_temporal_model(
     seed: int = 0,
     batch_size: int = 32,
     val_fraction: float = 0.1,
+    chunk_length: int = 128,
 ) -> tuple[NextEmbeddingLSTM, dict]:
     """Train a NextEmbeddingLSTM to predict each next embedding; deterministic given `seed`.
 
@@ -59,8 +60,16 @@ def train_temporal_model(
     `val_fraction` of the episodes is held out; the weights of the epoch with the lowest
     validation loss are returned. Stats include the loss of the trivial "the next step looks
     like this one" predictor on the same data, which the model has to beat to be worth using.
+    Episodes longer than `chunk_length` are trained on as consecutive chunks (truncated
+    backpropagation through time): a batch pads to its longest member, so one 1,000-step
+    episode would otherwise make every batch it joins cost 1,000 LSTM steps.
     """
-    usable = [np.asarray(s, dtype=np.float32) for s in sequences if len(s) >= 2]
+    if chunk_length < 2:
+        raise ValueError(f"chunk_length must be >= 2, got {chunk_length}")
+    # Consecutive chunks share one step, so every (t, t+1) pair is trained on exactly once.
+    usable = [np.asarray(s, dtype=np.float32)[start:start + chunk_length]
+              for s in sequences for start in range(0, max(len(s) - 1, 1), chunk_length - 1)]
+    usable = [s for s in usable if len(s) >= 2]
     for sequence in usable:
         if sequence.ndim != 2 or sequence.shape[1] != dim:
             raise ValueError(f"every sequence must be [T, {dim}], got {sequence.shape}")
@@ -115,8 +124,9 @@ def train_temporal_model(
         "hidden": hidden,
         "lr": lr,
         "seed": seed,
-        "train_episodes": len(train_set),
-        "val_episodes": n_val,
+        "train_sequences": len(train_set),  # episodes, or chunks of the longer ones
+        "val_sequences": n_val,
+        "chunk_length": chunk_length,
     }  # no timings here: they would make the shipped sidecar differ between identical runs
     logger.info(
         "temporal LSTM: val loss %.4f vs previous-embedding baseline %.4f (best epoch %d/%d, %.1f s)",

@@ -1,8 +1,8 @@
-"""Consume trajectories for the trainer: decode, dedup, gate staleness, dead-letter the rest.
+"""Consume trajectories for the trainer: decode, drop duplicates, dead-letter what can't be used.
 
-Offsets are tracked per partition as "next offset to read" of everything handed to the trainer
-or dead-lettered. The trainer takes whole batches and trains on them before asking again, so
-after each step those offsets are exactly what is safe to commit and to store in a checkpoint.
+The stream tracks, per partition, the next offset to read. The replay buffer tracks which
+consumed trajectories are still waiting. Together they give the offsets that are safe to
+commit and to store in a checkpoint (see `ReplayBuffer.low_water_marks`).
 """
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
+from sao.consumers.buffer import BufferEntry
+from sao.metrics import TRANSPORT_DUPLICATES, record_delivery
 from sao.schema import SchemaError, Trajectory, decode
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import make_consumer
+from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
 
-TRAINER_GROUP = "sao-trainer"
-
-
 @dataclass
 class StreamCounters:
-    consumed: int = 0
-    duplicates: int = 0
+    consumed: int = 0  # accepted into the buffer
+    duplicates: int = 0  # trajectory_id already trained, dead-lettered or buffered
     dead_lettered: int = 0
     too_stale: int = 0
     wait_s: float = 0.0
@@ -34,73 +34,91 @@ class StreamCounters:
 
 class TrajectoryStream:
     def __init__(self, bootstrap: str, topic: str, dlq: DeadLetterQueue, max_staleness: int,
-                 start_offsets: dict[int, int] | None = None, seen_ids: set[str] | None = None):
+                 start_offsets: dict[int, int] | None = None, seen_ids: set[str] | None = None,
+                 group_id: str = "sao-trainer"):
         self.topic = topic
         self.dlq = dlq
         self.max_staleness = max_staleness
-        self.offsets: dict[int, int] = dict(start_offsets or {})
+        self.next_offsets: dict[int, int] = dict(start_offsets or {})
         self.seen_ids: set[str] = set(seen_ids or ())
         self.counters = StreamCounters()
-        self.consumer = make_consumer(bootstrap, TRAINER_GROUP)
+        self.consumer = make_consumer(bootstrap, group_id)
+        # Exported for dashboards and alerts only: wrong on Tansu, whose high watermarks are wrong.
+        self.lag = LagReporter(self.consumer, group_id)
+        self._resume_offsets = start_offsets
         self.consumer.subscribe([topic], on_assign=self._on_assign)
 
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
-        # A resumed trainer starts exactly where its checkpoint says, whatever Kafka committed.
-        for tp in partitions:
-            if tp.partition in self.offsets:
-                tp.offset = self.offsets[tp.partition]
+        # A resumed trainer starts exactly where its checkpoint says, whatever Kafka committed
+        # since: a partition the checkpoint does not know had nothing trained, so it starts at
+        # the beginning. Without a checkpoint (start_offsets None) Kafka's committed offsets rule.
+        if self._resume_offsets is not None:
+            for tp in partitions:
+                tp.offset = self._resume_offsets.get(tp.partition, OFFSET_BEGINNING)
         consumer.assign(partitions)
 
-    def next_batch(self, size: int, policy_version: int, timeout: float) -> list[Trajectory]:
-        """Up to `size` fresh trajectories; returns fewer only when `timeout` passes first."""
-        batch: list[Trajectory] = []
+    def poll(self, max_messages: int, policy_version: int, timeout: float) -> list[BufferEntry]:
+        """Up to `max_messages` usable trajectories that arrive within `timeout` seconds."""
+        accepted: list[BufferEntry] = []
         deadline = time.monotonic() + timeout
         started = time.perf_counter()
-        while len(batch) < size and time.monotonic() < deadline:
-            msg = self.consumer.poll(0.2)
+        while len(accepted) < max_messages and time.monotonic() < deadline:
+            msg = self.consumer.poll(min(0.2, max(0.0, deadline - time.monotonic())))
+            self.lag.maybe_report()
             if msg is None:
                 continue
             if msg.error() is not None:
                 log.warning("trajectories topic: %s", msg.error())
                 continue
-            trajectory = self._accept(msg, policy_version)
-            self.offsets[msg.partition()] = msg.offset() + 1
-            if trajectory is not None:
-                batch.append(trajectory)
+            self.next_offsets[msg.partition()] = msg.offset() + 1
+            entry = self._accept(msg, policy_version)
+            if entry is not None:
+                accepted.append(entry)
         self.counters.wait_s += time.perf_counter() - started
-        return batch
+        return accepted
 
-    def _accept(self, msg: Message, policy_version: int) -> Trajectory | None:
+    def _accept(self, msg: Message, policy_version: int) -> BufferEntry | None:
         try:
             trajectory = decode(msg.value(), Trajectory)
         except SchemaError as err:
-            self._dead_letter(msg, err.reason, str(err))
+            self.dead_letter(msg.value(), msg.partition(), msg.offset(), msg.key(), err.reason, str(err))
             return None
+        record_delivery(self.topic, trajectory.created_at, len(msg.value()))
         if trajectory.trajectory_id in self.seen_ids:
-            self.counters.duplicates += 1  # a redelivered task: trained once already
+            self.counters.duplicates += 1  # a redelivered task, or a re-read after resume
+            TRANSPORT_DUPLICATES.labels(topic=self.topic).inc()
             return None
         self.seen_ids.add(trajectory.trajectory_id)
-        staleness = policy_version - trajectory.behaviour_version
-        if staleness > self.max_staleness:
-            self.counters.too_stale += 1
-            self._dead_letter(msg, "too-stale", f"behaviour v{trajectory.behaviour_version} is {staleness} "
-                                                f"versions behind v{policy_version} (max_staleness {self.max_staleness})")
+        entry = BufferEntry(trajectory, msg.value(), msg.partition(), msg.offset())
+        if policy_version - trajectory.behaviour_version > self.max_staleness:
+            self.reject_stale(entry, policy_version)
             return None
         self.counters.consumed += 1
-        return trajectory
+        return entry
 
-    def _dead_letter(self, msg: Message, reason: str, detail: str) -> None:
+    def reject_stale(self, entry: BufferEntry, policy_version: int) -> None:
+        staleness = policy_version - entry.trajectory.behaviour_version
+        self.counters.too_stale += 1
+        self.dead_letter(entry.raw, entry.partition, entry.offset, entry.trajectory.task_id, "too-stale",
+                         f"behaviour v{entry.trajectory.behaviour_version} is {staleness} versions behind "
+                         f"v{policy_version} (trainer.max_staleness {self.max_staleness})")
+
+    def dead_letter(self, value: bytes | None, partition: int, offset: int, key, reason: str, detail: str) -> None:
         self.counters.dead_lettered += 1
         self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
-        self.dlq.send(msg.value(), reason, source_topic=msg.topic(), partition=msg.partition(),
-                      offset=msg.offset(), key=msg.key(), detail=detail)
+        self.dlq.send(value, reason, source_topic=self.topic, partition=partition, offset=offset, key=key,
+                      detail=detail)
 
-    def commit(self) -> None:
-        """Commit what was handed out: call after the trainer stepped on it (and DLQ flushed)."""
-        if not self.offsets:
+    def safe_offsets(self, low_water_marks: dict[int, int]) -> dict[int, int]:
+        """Per partition: the lowest offset still buffered, else the next offset to read."""
+        return {p: min(o, low_water_marks.get(p, o)) for p, o in self.next_offsets.items()}
+
+    def commit(self, offsets: dict[int, int]) -> None:
+        """Commit offsets (after the trainer stepped on what lies below them, DLQ flushed)."""
+        if not offsets:
             return
         self.dlq.flush(10)
-        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in self.offsets.items()],
+        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()],
                              asynchronous=False)
 
     def close(self) -> None:

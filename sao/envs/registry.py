@@ -16,6 +16,7 @@ from sao.schema import Task
 
 BUILTIN_ENVS = {
     "arithmetic": "sao.envs.arithmetic:ArithmeticEnv",
+    "textworld": "sao.envs.textworld:TextWorldEnv",
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
+from sao.metrics import record_delivery
 from sao.schema import PolicyAnnouncement, SchemaError, decode
 from sao.transport.kafka import make_consumer
 
@@ -26,6 +28,7 @@ class PolicyFollower:
         partitions = sorted(metadata.partitions) if metadata is not None and metadata.error is None else [0]
         self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
         self.latest: PolicyAnnouncement | None = None
+        self.started_at = time.time()
 
     def poll(self, timeout: float = 0.0) -> PolicyAnnouncement | None:
         """Drain what has arrived; return the newest announcement seen so far (or None)."""
@@ -39,6 +42,8 @@ class PolicyFollower:
             except SchemaError as err:
                 log.warning("ignoring a bad policy announcement at offset %s: %s", msg.offset(), err)
                 continue
+            if announcement.created_at >= self.started_at:  # older ones were announced before we listened
+                record_delivery(msg.topic(), announcement.created_at, len(msg.value()))
             if self.latest is None or announcement.version > self.latest.version:
                 self.latest = announcement
         return self.latest

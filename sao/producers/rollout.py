@@ -112,12 +112,16 @@ class Roller:
         # the episode ended before they left the recent window. They are not sent.
         used = max((len(step.memory_slots) for step in steps), default=0)
         memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
+        stages = compressor.stats()
         return Trajectory(
             trajectory_id=Trajectory.make_id(task.task_id, task.attempt), task_id=task.task_id, env=task.env,
             sampler_id=self.sampler_id, behaviour_version=behaviour_version, prompt_ids=prompt_ids, steps=steps,
             memory=memory, temperature=policy_cfg.temperature, encoder=self.encoder.name, recent_window=window,
-            timings={"rollout_s": time.perf_counter() - started, "generate_s": generate_s},
-            compression=compression_stats(prompt_ids, steps, memory),
+            timings={"rollout_s": time.perf_counter() - started, "generate_s": generate_s,
+                     "encode_s": stages.encode_seconds, "filter_s": stages.filter_seconds,
+                     "quantize_s": stages.quantize_seconds},
+            compression={**compression_stats(prompt_ids, steps, memory), "memory_ratio": stages.ratio,
+                         "kept_steps": float(stages.kept_slots), "merged_steps": float(stages.merged_steps)},
         )
 
 

@@ -21,6 +21,7 @@ from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
 from sao.envs.registry import make_env
+from sao.metrics import record_delivery, record_policy_reload, record_rollout
 from sao.policy.loading import load_tokenizer
 from sao.policy.weights import WeightsMismatch, build_policy, read_weights_into
 from sao.producers.policy_follow import PolicyFollower
@@ -29,11 +30,9 @@ from sao.schema import SchemaError, Task, decode, encode
 from sao.status import write_status
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import deliver_and_wait, make_consumer, make_producer
+from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
-
-SAMPLER_GROUP = "sao-samplers"
-
 
 class Sampler:
     def __init__(self, config: SaoConfig, bootstrap: str, sampler_id: str, status_path: Path | None = None):
@@ -53,7 +52,8 @@ class Sampler:
         self.policy_follower = PolicyFollower(bootstrap, config.topics.policy)
         self.producer = make_producer(bootstrap)
         self.dlq = DeadLetterQueue(self.producer, config.topics.dlq)
-        self.tasks = make_consumer(bootstrap, SAMPLER_GROUP, [config.topics.tasks])
+        self.tasks = make_consumer(bootstrap, config.topics.sampler_group, [config.topics.tasks])
+        self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.stopping = False
 
     def run(self, max_tasks: int | None = None) -> dict:
@@ -64,6 +64,7 @@ class Sampler:
             while not self.stopping and (max_tasks is None or handled < max_tasks):
                 self._maybe_reload()
                 msg = self.tasks.poll(0.5)
+                self.task_lag.maybe_report()
                 if msg is None:
                     continue
                 if msg.error() is not None:
@@ -90,8 +91,11 @@ class Sampler:
                           offset=msg.offset(), key=msg.key(), detail=str(err))
             self.counters["dead_lettered"] += 1
         else:
+            record_delivery(msg.topic(), task.created_at, len(msg.value()))
             trajectory = self.roller.rollout(task, self.version)
+            produce_started = time.perf_counter()
             deliver_and_wait(self.producer, self.config.topics.trajectories, encode(trajectory), key=task.task_id)
+            record_rollout(trajectory, time.perf_counter() - produce_started)
             self.counters["produced"] += 1
             self.counters["reward_sum"] += trajectory.total_reward
             self.counters["tokens"] += sum(len(s.action_ids) for s in trajectory.steps)
@@ -116,10 +120,12 @@ class Sampler:
             # A lagging sampler may find a pruned file; the next announcement brings a newer one.
             log.warning("%s could not load policy v%d: %s", self.sampler_id, announcement.version, err)
             return
+        reload_s = time.perf_counter() - started
         self.version = announcement.version
         self.counters["reloads"] += 1
-        self.counters["reload_s"] += time.perf_counter() - started
-        log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.version, time.perf_counter() - started)
+        self.counters["reload_s"] += reload_s
+        record_policy_reload(self.version, reload_s)
+        log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.version, reload_s)
 
     def _write_status(self, finished: bool = False) -> None:
         if self.status_path is not None:

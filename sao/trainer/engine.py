@@ -53,23 +53,20 @@ def batch_layout(trainer: TrainerConfig, world_size: int) -> tuple[int, int]:
 
     DeepSpeed's own keys in `trainer.deepspeed` win, so batch settings live in one place:
     train_batch_size (else trainer.batch_size) and gradient_accumulation_steps (else 1). Each
-    rank scores train_batch_size / (accumulation * world_size) trajectories per micro-batch.
+    rank scores about train_batch_size / (accumulation * world_size) trajectories per
+    micro-batch; sao splits uneven batches itself and normalises the loss accordingly.
     """
     user = trainer.deepspeed
-    batch = int(user.get("train_batch_size", trainer.batch_size))
-    accumulation = int(user.get("gradient_accumulation_steps", 1))
-    if batch % (accumulation * world_size):
-        raise ValueError(f"trainer.deepspeed: train_batch_size {batch} is not divisible by "
-                         f"gradient_accumulation_steps {accumulation} x world size {world_size}")
-    return batch, accumulation
+    return int(user.get("train_batch_size", trainer.batch_size)), int(user.get("gradient_accumulation_steps", 1))
 
 
 def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
     batch, accumulation = batch_layout(trainer, world_size)
+    micro = -(-batch // (accumulation * world_size))  # ceil: DeepSpeed only uses these for bookkeeping
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": batch // (accumulation * world_size),
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
-        "train_batch_size": batch,
+        "train_batch_size": micro * accumulation * world_size,
         "gradient_clipping": trainer.grad_clip,
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
                               "stage3_param_persistence_threshold": 0},
@@ -110,3 +107,14 @@ def shutdown() -> None:
     if torch.distributed.is_initialized():
         deepspeed.comm.barrier()
         torch.distributed.destroy_process_group()
+
+
+def memory_per_rank(engine) -> dict[str, int]:
+    """Bytes this rank holds for parameters (its ZeRO-3 partitions) and optimizer state."""
+    params = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() if hasattr(p, "ds_tensor")
+                 else p.numel() * p.element_size() for p in engine.module.parameters())
+    zero_optimizer = engine.optimizer
+    inner = getattr(zero_optimizer, "optimizer", zero_optimizer)
+    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+    masters = sum(t.numel() * t.element_size() for t in getattr(zero_optimizer, "fp32_partitioned_groups_flat", []))
+    return {"param_bytes": int(params), "optimizer_state_bytes": int(state), "master_weight_bytes": int(masters)}

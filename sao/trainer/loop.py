@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from sao.compression.semantic import load_encoder
+from sao import metrics
 from sao.config import SaoConfig
 from sao.consumers.buffer import BufferEntry, ReplayBuffer
 from sao.consumers.trajectory_stream import TrajectoryStream
@@ -27,7 +28,7 @@ from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import BatchPlan, plan_batch, rank_loss
 from sao.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from sao.trainer.distributed import broadcast_batch, rank, world_size
-from sao.trainer.engine import batch_layout, build_engine, shutdown
+from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
 from sao.trainer.publisher import PolicyPublisher
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import make_producer
@@ -44,7 +45,8 @@ class Trainer:
         self.memory_dim = load_encoder(config.compression.encoder).dim
         self.engine = build_engine(build_policy(config.policy, self.memory_dim), config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
-        self.state = (load_checkpoint(self.engine, self.checkpoint_dir) if resume else None) or TrainerState()
+        restored = load_checkpoint(self.engine, self.checkpoint_dir) if resume else None
+        self.state = restored or TrainerState()
         self.handled_before_start = self.state.handled  # trained or dead-lettered by earlier lives
         self.baseline = RewardBaseline(config.trainer.baseline_key, config.trainer.baseline_momentum)
         if self.state.baseline:
@@ -57,7 +59,7 @@ class Trainer:
                                    config.trainer.freshness_decay)
         self.stream = TrajectoryStream(bootstrap, config.topics.trajectories,
                                        DeadLetterQueue(self.producer, config.topics.dlq),
-                                       config.trainer.max_staleness, self.state.offsets,
+                                       config.trainer.max_staleness, self.state.offsets if restored else None,
                                        set(self.state.seen_trajectory_ids),
                                        config.topics.trainer_group) if self.is_leader else None
         self.history: dict[str, list] = {key: [] for key in (
@@ -65,6 +67,10 @@ class Trainer:
             "clip_fraction", "kl_k3", "grad_norm", "step_s", "trained_at")}
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
+        self.phase_s = {"wait": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "publish": 0.0}
+        if self.is_leader:
+            metrics.record_trainer_start(max_staleness=config.trainer.max_staleness,
+                                         policy_version=self.state.policy_version)
         if resume and self.is_leader:
             self._ledger({"resumed_from_step": self.state.step})
 
@@ -77,16 +83,21 @@ class Trainer:
         checkpointed_at = self.state.step
         try:
             while True:
+                waited = time.perf_counter()
                 raw_batch = self._collect(expected_trajectories)  # rank 0 only; empty means stop
                 batch, stop = broadcast_batch(raw_batch, self.is_leader and not raw_batch, self.engine.device)
+                self.phase_s = {"wait": time.perf_counter() - waited, "forward_backward": 0.0, "optimizer": 0.0,
+                                "publish": 0.0}
                 if stop:
                     break
-                self._train_step(plan_batch(batch, self.baseline, cfg, self.state.policy_version))
+                plan = plan_batch(batch, self.baseline, cfg, self.state.policy_version)
+                step_metrics = self._train_step(plan)
                 self.state.step += 1
                 self._ledger({"step": self.state.step, "policy_version": self.state.policy_version,
                               "trajectory_ids": [t.trajectory_id for t in batch]})
                 if self.state.step % cfg.sync_every == 0:
                     self._publish()
+                self._export(plan, step_metrics)
                 self._commit()
                 if self.state.step % cfg.checkpoint_every == 0:
                     checkpointed_at = self._checkpoint()
@@ -149,17 +160,21 @@ class Trainer:
 
     # --- training (every rank) ------------------------------------------------------------
 
-    def _train_step(self, plan: BatchPlan) -> None:
+    def _train_step(self, plan: BatchPlan) -> dict[str, float]:
         started = time.perf_counter()
         ranks, count = world_size(), len(plan.trajectories)
         normaliser = count / (self.accumulation * ranks)
         chunks = [list(range(count))[i::self.accumulation] for i in range(self.accumulation)]
         totals = torch.zeros(6, dtype=torch.float64)
         for chunk in chunks:
+            t0 = time.perf_counter()
             loss, stats = rank_loss(self.engine, plan, chunk[rank()::ranks], normaliser, self.config.trainer,
                                     self.memory_dim)
             self.engine.backward(loss)
+            t1 = time.perf_counter()
             self.engine.step()
+            self.phase_s["forward_backward"] += t1 - t0
+            self.phase_s["optimizer"] += time.perf_counter() - t1
             totals += torch.tensor([stats.loss, stats.tokens, stats.ratio_mean * stats.tokens,
                                     stats.ratio_abs_dev * stats.tokens, stats.clip_fraction * stats.tokens,
                                     stats.kl_k3 * stats.tokens], dtype=torch.float64)
@@ -167,25 +182,44 @@ class Trainer:
             dist.all_reduce(totals)
         grad_norm = self.engine.get_global_grad_norm()
         tokens = max(float(totals[1]), 1.0)
-        metrics = {"loss": float(totals[0]) / (self.accumulation * ranks), "ratio_mean": float(totals[2]) / tokens,
-                   "ratio_abs_dev": float(totals[3]) / tokens, "clip_fraction": float(totals[4]) / tokens,
-                   "kl_k3": float(totals[5]) / tokens}
-        self._record(plan, metrics, grad_norm, time.perf_counter() - started)
+        step_metrics = {"loss": float(totals[0]) / (self.accumulation * ranks),
+                        "ratio_mean": float(totals[2]) / tokens, "ratio_abs_dev": float(totals[3]) / tokens,
+                        "clip_fraction": float(totals[4]) / tokens, "kl_k3": float(totals[5]) / tokens}
+        self._record(plan, step_metrics, grad_norm, time.perf_counter() - started)
+        return {**step_metrics, "grad_norm": self.history["grad_norm"][-1]}
 
-    def _record(self, plan: BatchPlan, metrics: dict[str, float], grad_norm, step_s: float) -> None:
+    def _export(self, plan: BatchPlan, step_metrics: dict[str, float]) -> None:
+        """Prometheus (rank 0 serves /metrics) and the per-step timing split in the history."""
+        if not self.is_leader:
+            return
+        now = time.time()
+        kept = metrics.record_trainer_step(
+            wait_s=self.phase_s["wait"], forward_backward_s=self.phase_s["forward_backward"],
+            optimizer_s=self.phase_s["optimizer"], publish_s=self.phase_s["publish"], loss=step_metrics["loss"],
+            rewards=[t.total_reward for t in plan.trajectories], advantages=plan.advantages,
+            grad_norm=step_metrics["grad_norm"], ratio_mean=step_metrics["ratio_mean"],
+            ratio_abs_dev=step_metrics["ratio_abs_dev"], clip_fraction=step_metrics["clip_fraction"],
+            kl_k3=step_metrics["kl_k3"], staleness=plan.staleness,
+            sampling_to_training_s=[now - t.created_at for t in plan.trajectories],
+            policy_version=self.state.policy_version)
+        for key, value in kept.items():
+            self.history.setdefault(key, []).append(value)
+
+    def _record(self, plan: BatchPlan, step_metrics: dict[str, float], grad_norm, step_s: float) -> None:
         h = self.history
         h["reward"] += [t.total_reward for t in plan.trajectories]
         h["behaviour_version"] += [t.behaviour_version for t in plan.trajectories]
         h["staleness"] += plan.staleness
         h["compression_ratio"] += [t.compression.get("ratio", 1.0) for t in plan.trajectories]
-        for name, value in metrics.items():
+        for name, value in step_metrics.items():
             h[name].append(value)
         h["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
         h["step_s"].append(step_s)
         h["trained_at"].append(time.time())
         log.info("step %d: loss %.4f reward %.3f rho %.4f |rho-1| %.2e clip %.3f grad %.2f (%.1f s)",
-                 self.state.step + 1, metrics["loss"], sum(h["reward"][-len(plan.trajectories):]) / len(plan.trajectories),
-                 metrics["ratio_mean"], metrics["ratio_abs_dev"], metrics["clip_fraction"], h["grad_norm"][-1], step_s)
+                 self.state.step + 1, step_metrics["loss"],
+                 sum(h["reward"][-len(plan.trajectories):]) / len(plan.trajectories), step_metrics["ratio_mean"],
+                 step_metrics["ratio_abs_dev"], step_metrics["clip_fraction"], h["grad_norm"][-1], step_s)
 
     # --- after a step ---------------------------------------------------------------------
 
@@ -193,7 +227,8 @@ class Trainer:
         started = time.perf_counter()
         self.state.policy_version += 1
         self.publisher.publish(self.engine, self.state.policy_version, self.state.step)
-        log.info("published policy v%d in %.1f s", self.state.policy_version, time.perf_counter() - started)
+        self.phase_s["publish"] = time.perf_counter() - started
+        log.info("published policy v%d in %.1f s", self.state.policy_version, self.phase_s["publish"])
 
     def _safe_offsets(self) -> dict[int, int]:
         return self.stream.safe_offsets(self.buffer.low_water_marks())
@@ -210,7 +245,10 @@ class Trainer:
             self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
             self.state.handled = self._handled() - len(self.buffer)
         self.state.baseline = self.baseline.state_dict()
+        started = time.perf_counter()
         save_checkpoint(self.engine, self.checkpoint_dir, self.state)
+        if self.is_leader:
+            metrics.record_checkpoint(time.perf_counter() - started)
         return self.state.step
 
     def _ledger(self, record: dict) -> None:
@@ -228,6 +266,7 @@ class Trainer:
                 "dead_lettered": counters.dead_lettered if counters else 0,
                 "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
+                "memory": memory_per_rank(self.engine),
                 "history": self.history}
 
     def _write_status(self, finished: bool = False) -> None:

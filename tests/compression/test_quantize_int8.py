@@ -60,3 +60,10 @@ def test_non_finite_input_is_rejected():
 def test_one_dimensional_input_is_rejected():
     with pytest.raises(ValueError, match="2-d"):
         quantize_int8(np.ones(4, dtype=np.float32))
+
+
+def test_per_channel_keeps_cosine_above_0_999_on_real_embeddings(dialogue_embeddings):
+    restored = dequantize_int8_per_channel(*quantize_int8_per_channel(dialogue_embeddings))
+    cosine = (restored * dialogue_embeddings).sum(1) / (
+        np.linalg.norm(restored, axis=1) * np.linalg.norm(dialogue_embeddings, axis=1))
+    assert cosine.min() >= 0.999

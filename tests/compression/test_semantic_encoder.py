@@ -41,3 +41,42 @@ def test_similar_texts_are_closer_than_unrelated(encoder):
 
 def test_load_encoder_returns_the_cached_instance(encoder):
     assert load_encoder("default", "cpu") is encoder
+
+
+def _tiny_bert_folder(path):
+    """A plain Hugging Face BERT folder (random weights, 48-d), the shape of a BERT-base checkpoint."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    words = ["the", "you", "go", "north", "south", "take", "ruby", "incorrect", "try", "again", "."]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, *"abcdefghijklmnopqrstuvwxyz0123456789"]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=48, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertModel(config).save_pretrained(path)
+    return path
+
+
+def test_a_bert_model_folder_works_and_its_dimension_is_read(tmp_path):
+    from sao.compression.semantic import SemanticEncoder
+
+    bert = SemanticEncoder(str(_tiny_bert_folder(tmp_path)))
+    assert bert.dim == 48 and bert.name == str(tmp_path)
+    texts = ["You go north.\ntake ruby", "Incorrect. Try again.\n12", "go south"]
+    vectors = bert.encode(texts)
+    assert vectors.shape == (3, 48)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(vectors, np.stack([bert.encode([t])[0] for t in texts]))
+
+
+def test_encoder_throughput_is_exported_as_metrics(encoder, dialogue):
+    from prometheus_client import REGISTRY
+
+    def sample(name):
+        return REGISTRY.get_sample_value(name, {"encoder": encoder.name}) or 0.0
+
+    before = sample("sao_encoder_sentences_total")
+    encoder.encode(dialogue[0][:5])
+    assert sample("sao_encoder_sentences_total") == before + 5
+    assert sample("sao_encoder_seconds_total") > 0
+    assert sample("sao_encoder_sentences_per_second") > 0

@@ -59,3 +59,12 @@ def test_train_from_texts_returns_a_calibrated_filter(encoder, dialogue):
     assert temporal_filter.meta["encoder"] == encoder.name
     assert temporal_filter.meta["seed"] == 1
     assert temporal_filter.meta["keep_ratio"] == pytest.approx(0.6, abs=0.1)
+
+
+def test_long_episodes_train_in_chunks_that_cover_every_pair():
+    sequences = cyclic_sequences(count=3, length=50, dim=16)
+    _, stats = train_temporal_model(sequences, dim=16, hidden=8, epochs=1, seed=0, chunk_length=8)
+    # 49 (t, t+1) pairs per episode, 7 per chunk of 8 steps: 7 chunks each.
+    assert stats["train_sequences"] + stats["val_sequences"] == 3 * 7
+    with pytest.raises(ValueError, match="chunk_length"):
+        train_temporal_model(sequences, dim=16, chunk_length=1)

@@ -13,8 +13,8 @@ def test_last_number(text, number):
     assert last_number(text) == number
 
 
-def _answer(task):
-    env = make_env(EnvConfig())
+def _answer(task, config=EnvConfig()):
+    env = make_env(config)
     question = env.reset(task.spec)
     return env, question, env._entry["answer"]
 
@@ -30,7 +30,7 @@ def test_right_answer_first_try_gets_full_reward():
 def test_wrong_answers_get_feedback_then_end():
     config = EnvConfig(max_turns=3, retry_discount=0.5)
     task = make_tasks(config, 1)[0]
-    env, _, answer = _answer(task)
+    env, _, answer = _answer(task, config)
     wrong = str(int(answer) + 1)
     first = env.step(wrong)
     assert not first.done and first.reward == 0 and wrong in first.observation

@@ -13,11 +13,17 @@ from sao.producers.rollout import Roller
 from sao.schema import Trajectory, decode, encode
 
 
+def make_roller(config, chat, encoder):
+    policy = build_policy(config.policy, encoder.dim).eval()
+    torch.nn.init.normal_(policy.projector.weight, std=0.05)  # memory must matter for the exactness check
+    return Roller(config, make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-test", seed=3)
+
+
 @pytest.fixture(scope="module")
 def roller(tiny_config, chat, encoder):
-    policy = build_policy(tiny_config.policy, encoder.dim).eval()
-    torch.nn.init.normal_(policy.projector.weight, std=0.05)  # memory must matter for the exactness check
-    return Roller(tiny_config, make_env(tiny_config.env), policy, chat, encoder, load_temporal_filter(), "s-test", seed=3)
+    config = tiny_config.model_copy(deep=True)
+    config.env.max_turns, config.compression.recent_window = 3, 1
+    return make_roller(config, chat, encoder)
 
 
 def test_chat_pieces_concatenate_into_the_chat_template(chat):
@@ -33,13 +39,20 @@ def test_chat_pieces_concatenate_into_the_chat_template(chat):
     assert text == expected
 
 
-def test_rollout_is_wire_ready_and_rescored_exactly(roller, tiny_config):
-    task = make_tasks(tiny_config.env, 1)[0]
+def test_default_window_puts_every_earlier_step_in_memory(tiny_config, chat, encoder):
+    assert tiny_config.env.max_turns == 2 and tiny_config.compression.recent_window == 0
+    trajectory = make_roller(tiny_config, chat, encoder).rollout(make_tasks(tiny_config.env, 1)[0], 0)
+    assert [s.memory_slots.tolist() for s in trajectory.steps] == [[], [0]]
+    assert len(trajectory.steps[1].observation_ids) < 40  # only the feedback turn, no replayed history
+
+
+def test_rollout_is_wire_ready_and_rescored_exactly(roller):
+    task = make_tasks(roller.config.env, 1)[0]
     trajectory = decode(encode(roller.rollout(task, behaviour_version=7)), Trajectory)
     assert trajectory.behaviour_version == 7 and trajectory.trajectory_id == f"{task.task_id}#0"
     # A random tiny model never answers right: all attempts are used, and with recent_window=1 the
     # third step sees the first through memory, the second in full text.
-    assert len(trajectory.steps) == tiny_config.env.max_turns == 3
+    assert len(trajectory.steps) == 3
     assert [s.memory_slots.tolist() for s in trajectory.steps] == [[], [], [0]]
     assert len(trajectory.memory.vectors) == 1 and trajectory.memory.vectors.dtype == np.int8
     assert trajectory.compression["ratio"] > 1

@@ -1,0 +1,103 @@
+"""How big a trajectory's context is: without compression, stored once, and in sao's form, stage by stage.
+
+Two views, both summed over a trajectory's steps:
+
+- `context_costs`: each step's policy context materialised on its own, the way a trainer
+  without compression receives one sample per step. `positions` counts what the policy
+  attends over (token ids plus one soft token per memory vector); `bytes` what holding it
+  takes (int32 token ids, float32 or int8 vectors). It is reported after each stage, so the
+  effect of each stage is visible, including where one makes a context bigger.
+- `trajectory_bytes`: what crosses the wire for one trajectory: naive per-step contexts,
+  the conversation's tokens stored once, and sao's message (tokens once + INT8 memory +
+  per-step slot references).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from sao.schema import Trajectory, encode
+
+TOKEN_BYTES = 4  # token ids travel as int32
+STAGES = ("naive", "semantic", "temporal", "int8")
+
+
+@dataclass(frozen=True)
+class ContextCost:
+    positions: int  # sequence positions the policy reads, summed over steps
+    bytes: int  # bytes holding those contexts, summed over steps
+
+
+def context_costs(prompt_tokens: int, step_tokens: Sequence[int], visible_slots: Sequence[int], dim: int,
+                  recent_window: int) -> dict[str, ContextCost]:
+    """Per-step contexts summed over the trajectory, after each compression stage.
+
+    `step_tokens[t]` is step t's observation + action token count and `visible_slots[t]` the
+    memory slots its policy saw. At step t the context is the prompt, the steps older than the
+    recent window (the part compression acts on), the last `recent_window` steps in full and
+    step t itself. The older steps are:
+      naive     their tokens;
+      semantic  one float32 sentence embedding each;
+      temporal  one float32 embedding per kept slot;
+      int8      one int8 vector + float32 scale per kept slot: what sao's policy reads.
+    """
+    if len(step_tokens) != len(visible_slots):
+        raise ValueError(f"{len(step_tokens)} step token counts but {len(visible_slots)} slot counts")
+    totals = {stage: [0, 0] for stage in STAGES}
+    older_tokens = 0
+    for t, (current, slots) in enumerate(zip(step_tokens, visible_slots)):
+        older_steps = max(0, t - recent_window)
+        if older_steps:
+            older_tokens += step_tokens[older_steps - 1]
+        recent = sum(step_tokens[older_steps:t])
+        text = prompt_tokens + recent + current  # always in full
+        for stage, vectors, vector_bytes in (("semantic", older_steps, 4 * dim), ("temporal", slots, 4 * dim),
+                                             ("int8", slots, dim + 4)):
+            totals[stage][0] += text + vectors
+            totals[stage][1] += text * TOKEN_BYTES + vectors * vector_bytes
+        totals["naive"][0] += text + older_tokens
+        totals["naive"][1] += (text + older_tokens) * TOKEN_BYTES
+    return {stage: ContextCost(*totals[stage]) for stage in STAGES}
+
+
+def trajectory_context_costs(trajectory: Trajectory) -> dict[str, ContextCost]:
+    """`context_costs` of a trajectory as the sampler sent it."""
+    return context_costs(
+        len(trajectory.prompt_ids),
+        [len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps],
+        [len(s.memory_slots) for s in trajectory.steps],
+        trajectory.memory.vectors.shape[1],
+        trajectory.recent_window,
+    )
+
+
+def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
+    """Bytes of one trajectory's context in each representation.
+
+    naive        every step's full context as int32 token ids, one sample per step;
+    stored_once  the conversation's token ids once (prompt + each step's observation and
+                 action), from which every naive context can be rebuilt;
+    memory       sao's INT8 memory table (vectors, scales, spans, reward sums);
+    slot_refs    each step's `memory_slots` index array;
+    sao          stored_once + memory + slot_refs: every array the trainer needs to rebuild
+                 each step's context exactly as the policy saw it;
+    message      the whole msgpack message (also behaviour log-probs, ids, timings, framing).
+    """
+    history = len(trajectory.prompt_ids)
+    naive = 0
+    for step in trajectory.steps:
+        history += len(step.observation_ids) + len(step.action_ids)
+        naive += history
+    memory = trajectory.memory
+    memory_bytes = memory.vectors.nbytes + memory.scales.nbytes + memory.spans.nbytes + memory.reward_sums.nbytes
+    slot_refs = sum(step.memory_slots.nbytes for step in trajectory.steps)
+    stored_once = history * TOKEN_BYTES
+    return {
+        "naive": naive * TOKEN_BYTES,
+        "stored_once": stored_once,
+        "memory": memory_bytes,
+        "slot_refs": slot_refs,
+        "sao": stored_once + memory_bytes + slot_refs,
+        "message": len(encode(trajectory)),
+    }

@@ -1,0 +1,241 @@
+"""`sao compression …`: record scripted episodes, train the temporal filter, inspect its decisions.
+
+Episodes come from a file (JSONL episodes, or length-prefixed trajectory messages: see
+sao/compression/episodes.py), from the trajectories topic (`--bootstrap-servers`), or are
+played on the spot by an env's scripted agents (`--from-env textworld`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from sao.compression.episodes import (
+    Episode,
+    holds_trajectory_records,
+    read_episodes,
+    read_episodes_from_topic,
+    write_episodes,
+)
+from sao.config import ConfigError, SaoConfig, load_config
+
+compression_app = typer.Typer(help="The context compressor: record episodes, train the temporal filter, inspect it.",
+                              no_args_is_help=True)
+console = Console(stderr=True)
+logger = logging.getLogger(__name__)
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any knob: section.knob=value.")]
+InputOpt = Annotated[Optional[Path], typer.Option("--input", help="Recorded episodes: JSONL, or length-prefixed trajectory messages.")]
+BootstrapOpt = Annotated[Optional[str], typer.Option(help="Read trajectories from this Kafka instead of a file.")]
+FromEnvOpt = Annotated[Optional[str], typer.Option(help="Play episodes with this env's scripted agents (textworld).")]
+AgentOpt = Annotated[str, typer.Option(help="Scripted agent: expert, noisy, random, or mix (4 noisy : 1 random).")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the agents, the worlds (env.seed) and the LSTM training.")]
+EncoderOpt = Annotated[Optional[str], typer.Option(help="Sentence encoder path or name (default: compression.encoder).")]
+
+
+def _setup(config: Path | None, sets: list[str] | None) -> SaoConfig:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level="INFO", format="%(message)s", handlers=[RichHandler(console=console, show_path=False)])
+    for noisy in ("httpx", "sentence_transformers", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return load_config(config, sets)
+    except ConfigError as err:
+        console.print(f"[red]config error:[/] {err}")
+        raise typer.Exit(2) from err
+
+
+def scripted_episodes(cfg: SaoConfig, env_name: str, count: int, agent: str, noise: float, seed: int,
+                      start_index: int = 0) -> list[Episode]:
+    """Play `count` tasks of `env_name` (shaped by env.options) with a scripted agent."""
+    if env_name != "textworld":
+        raise typer.BadParameter(f"scripted agents exist for textworld only, not {env_name!r}; record other envs "
+                                 "with `sao sampler` and train from the trajectories topic", param_hint="--from-env")
+    from sao.envs.textworld import TextWorldEnv
+    from sao.envs.textworld_agents import make_agent, record_episode
+
+    env_config = cfg.env.model_copy(update={"name": env_name, "seed": seed})
+    try:
+        tasks = TextWorldEnv.make_tasks(env_config, count, start_index)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--set env.options.…") from err
+    env, episodes = TextWorldEnv(), []
+    for offset, task in enumerate(tasks):
+        kind = agent if agent != "mix" else ("random" if offset % 5 == 4 else "noisy")
+        episodes.append(record_episode(env, task.task_id, task.spec, make_agent(kind, seed + offset, noise)))
+    return episodes
+
+
+def _tokenizer(cfg: SaoConfig):
+    from sao.policy.loading import load_tokenizer
+
+    return load_tokenizer(cfg.policy.model, cfg.policy.cache_dir)
+
+
+def _load_episodes(cfg: SaoConfig, input_path: Path | None, bootstrap_servers: str | None, from_env: str | None,
+                   episodes: int, agent: str, noise: float, seed: int, max_messages: int | None) -> list[Episode]:
+    sources = [s for s in (input_path, bootstrap_servers, from_env) if s]
+    if len(sources) != 1:
+        raise typer.BadParameter("give exactly one of --input, --bootstrap-servers, --from-env")
+    if input_path is not None:
+        if not input_path.is_file():
+            raise typer.BadParameter(f"{input_path} does not exist", param_hint="--input")
+        return read_episodes(input_path, tokenizer=_tokenizer(cfg) if holds_trajectory_records(input_path) else None)
+    if bootstrap_servers is not None:
+        return read_episodes_from_topic(bootstrap_servers, cfg.topics.trajectories, _tokenizer(cfg), max_messages)
+    return scripted_episodes(cfg, from_env, episodes, agent, noise, seed)
+
+
+@compression_app.command()
+def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (JSONL).")],
+           env: Annotated[str, typer.Option(help="Env whose scripted agents play.")] = "textworld",
+           episodes: Annotated[int, typer.Option(min=1, help="Episodes to record.")] = 10,
+           agent: AgentOpt = "noisy",
+           noise: Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")] = 0.2,
+           seed: SeedOpt = 0,
+           start_index: Annotated[int, typer.Option(help="First task index.")] = 0,
+           config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Record episodes of the scripted agents to a JSONL file (world shape: --set env.options.size=12 …)."""
+    cfg = _setup(config, set_)
+    recorded = scripted_episodes(cfg, env, episodes, agent, noise, seed, start_index)
+    write_episodes(out, recorded)
+    steps = [len(e) for e in recorded]
+    solved = sum(bool(e.meta.get("solved")) for e in recorded)
+    console.print(f"wrote {len(recorded)} episodes ({sum(steps)} steps, {min(steps)}-{max(steps)} per episode, "
+                  f"{solved} solved) to {out}")
+
+
+@compression_app.command()
+def train(out: Annotated[Path, typer.Option(help="Weights file to write (.safetensors; a .json sidecar goes beside it).")],
+          input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
+          episodes: Annotated[int, typer.Option(min=2, help="With --from-env: episodes to play.")] = 20,
+          agent: AgentOpt = "mix",
+          noise: Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")] = 0.2,
+          max_messages: Annotated[Optional[int], typer.Option(help="With --bootstrap-servers: read at most this many.")] = None,
+          encoder: EncoderOpt = None,
+          seed: SeedOpt = 0,
+          target_keep_ratio: Annotated[float, typer.Option(min=0.01, max=1.0, help="Calibrate the threshold to keep this share of steps.")] = 0.5,
+          hidden: Annotated[int, typer.Option(min=1, help="LSTM hidden size.")] = 128,
+          epochs: Annotated[int, typer.Option(min=1, help="Training epochs.")] = 30,
+          threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
+          config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Train the LSTM redundancy filter self-supervised on recorded episodes and calibrate its threshold."""
+    import torch
+
+    from sao.compression.semantic import load_encoder
+    from sao.compression.temporal import save_temporal_weights
+    from sao.compression.train import train_from_texts
+
+    cfg = _setup(config, set_)
+    torch.set_num_threads(threads)
+    loaded = _load_episodes(cfg, input_path, bootstrap_servers, from_env, episodes, agent, noise, seed, max_messages)
+    if len(loaded) < 2:
+        console.print(f"[red]only {len(loaded)} episode(s) found[/]: training needs at least two")
+        raise typer.Exit(1)
+    sentence_encoder = load_encoder(encoder or cfg.compression.encoder)
+    temporal_filter = train_from_texts([e.texts() for e in loaded], sentence_encoder,
+                                       target_keep_ratio=target_keep_ratio, hidden=hidden, epochs=epochs, seed=seed)
+    if input_path:
+        source, flags = f"file {input_path}", ["--input", str(input_path)]
+    elif bootstrap_servers:
+        source, flags = f"topic {cfg.topics.trajectories}", ["--bootstrap-servers", bootstrap_servers]
+    else:
+        source = f"{from_env} scripted agents ({agent}, noise {noise:g})"
+        flags = ["--from-env", from_env, "--episodes", str(episodes), "--agent", agent, "--noise", f"{noise:g}"]
+    flags += [f"--set={item}" for item in set_ or []]
+    flags += ["--seed", str(seed), "--target-keep-ratio", f"{target_keep_ratio:g}", "--hidden", str(hidden),
+              "--epochs", str(epochs), "--out", str(out)] + (["--encoder", encoder] if encoder else [])
+    meta = {**temporal_filter.meta, "threshold": temporal_filter.threshold,
+            "command": shlex.join(["sao", "compression", "train", *flags]),
+            "corpus": f"{len(loaded)} episodes from {source}"}
+    save_temporal_weights(temporal_filter.model, out, meta)
+    training = meta["training"]
+    table = Table(title=f"temporal filter written to {out}")
+    for column in ("episodes", "steps", "val loss", "previous-step baseline", "threshold", "keep ratio"):
+        table.add_column(column, justify="right")
+    table.add_row(str(meta["episodes"]), str(meta["steps"]), f"{training['val_loss']:.4f}",
+                  f"{training['baseline_val_loss']:.4f}", f"{temporal_filter.threshold:.4f}", f"{meta['keep_ratio']:.3f}")
+    Console().print(table)
+    console.print(f"use it with --set compression.temporal_weights='\"{out}\"'")
+
+
+@compression_app.command()
+def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
+            index: Annotated[int, typer.Option(min=0, help="Which episode of the file, topic or env.")] = 0,
+            agent: AgentOpt = "noisy",
+            noise: Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")] = 0.2,
+            seed: SeedOpt = 0,
+            encoder: EncoderOpt = None,
+            temporal_weights: Annotated[Optional[Path], typer.Option(help="Filter weights (default: compression.temporal_weights).")] = None,
+            threshold: Annotated[Optional[float], typer.Option(help="Keep threshold (default: compression.keep_threshold, else the weights').")] = None,
+            limit: Annotated[Optional[int], typer.Option(min=1, help="Show at most this many rows.")] = None,
+            kept_only: Annotated[bool, typer.Option(help="Show only the kept steps.")] = False,
+            width: Annotated[int, typer.Option(min=10, help="Characters of step text shown.")] = 70,
+            config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Compress one episode and show, step by step, what was kept, what merged, and why."""
+    import torch
+
+    from sao.compression.pipeline import compress_batch
+    from sao.compression.semantic import load_encoder
+    from sao.compression.temporal import load_temporal_filter
+
+    cfg = _setup(config, set_)
+    torch.set_num_threads(1)
+    if from_env:
+        loaded = scripted_episodes(cfg, from_env, 1, agent, noise, seed, start_index=index)
+        index = 0
+    else:
+        loaded = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, agent, noise, seed, index + 1)
+    if index >= len(loaded):
+        console.print(f"[red]no episode {index}[/]: the source holds {len(loaded)}")
+        raise typer.Exit(1)
+    episode = loaded[index]
+    window = cfg.compression.recent_window
+    sentence_encoder = load_encoder(encoder or cfg.compression.encoder)
+    weights = temporal_weights or cfg.compression.temporal_weights
+    temporal_filter = load_temporal_filter(weights, threshold if threshold is not None else cfg.compression.keep_threshold)
+    compressed = episode.compressed_steps()  # the sampler never compresses a final step
+    texts, rewards = episode.texts(), episode.rewards()
+    memory, _, decisions = compress_batch(texts[:compressed], rewards[:compressed], sentence_encoder,
+                                          temporal_filter, recent_window=window)
+    Console().print(decision_table(episode, decisions, memory.spans, temporal_filter.threshold, limit, kept_only, width))
+    exact = float(memory.reward_sums.sum()) == sum(rewards[:compressed])
+    console.print(f"{len(episode)} steps, {compressed} compressed into {len(memory)} slots "
+                  f"(keep ratio {len(memory) / max(compressed, 1):.3f}); return {sum(rewards):g}, "
+                  f"memory reward sums {'match' if exact else 'DO NOT match'} the compressed steps' rewards")
+
+
+def decision_table(episode: Episode, decisions, spans, threshold: float, limit: int | None, kept_only: bool,
+                   width: int) -> Table:
+    """One row per step: its text, keep/merge, the reason, the prediction error, and its slot."""
+    table = Table(title=f"{episode.task_id} ({episode.agent}): keep when error > {threshold:.4f}, "
+                        "or reward, or first step")
+    for column, justify in (("step", "right"), ("text", "left"), ("decision", "left"), ("reason", "left"),
+                            ("error", "right"), ("reward", "right"), ("slot", "right")):
+        table.add_column(column, justify=justify)
+    slot_of = {step: slot for slot, (first, last) in enumerate(spans) for step in range(first, last + 1)}
+    rows = 0
+    for t, step in enumerate(episode.steps):
+        decision = decisions[t] if t < len(decisions) else None
+        if kept_only and not (decision and decision.keep):
+            continue
+        if limit is not None and rows >= limit:
+            break
+        text = " ".join(f"{step.observation} ▸ {step.action}".split())
+        text = text if len(text) <= width else text[: width - 1] + "…"
+        if decision is None:
+            cells = ("—", "final step, not compressed", "", "")
+        else:
+            cells = ("[green]keep[/]" if decision.keep else "[dim]merge[/]", decision.reason,
+                     f"{decision.error:.4f}", str(slot_of[t]))
+        table.add_row(str(t), text, cells[0], cells[1], cells[2], f"{step.reward:g}" if step.reward else "", cells[3])
+        rows += 1
+    return table

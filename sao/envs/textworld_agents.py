@@ -1,0 +1,151 @@
+"""Scripted agents for the text labyrinth, to record long trajectories without a language model.
+
+- `expert_action(env)` plans with the map: it fetches one gem at a time (the nearest it can
+  reach), fetching and using keys for locked vaults, and carries each gem back to the altar.
+- `RandomAgent` picks uniformly among the admissible commands.
+- `ExpertAgent(noise=p)` follows the expert but takes a random admissible command with
+  probability p, so its episodes wander, revisit and vary.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Protocol
+
+from sao.compression.episodes import Episode, EpisodeStep
+from sao.envs.textworld import Cell, TextWorldEnv, World
+
+
+class Agent(Protocol):
+    name: str
+
+    def act(self, env: TextWorldEnv) -> str: ...
+
+
+def _first_move(world: World, locks: dict, start: Cell, goal: Cell) -> str | None:
+    """The direction of the first step of a shortest open path from start to goal."""
+    queue, first = deque([start]), {start: ""}
+    while queue:
+        cell = queue.popleft()
+        if cell == goal:
+            return first[cell]
+        for direction, nxt in world.exits[cell].items():
+            if nxt not in first and frozenset((cell, nxt)) not in locks:
+                first[nxt] = first[cell] or direction
+                queue.append(nxt)
+    return None
+
+
+def _route(world: World, locks: dict, start: Cell, goals: list[Cell]) -> tuple[Cell, str] | None:
+    """The nearest reachable goal and the first move towards it."""
+    queue, seen = deque([(start, 0)]), {start: 0}
+    while queue:
+        cell, depth = queue.popleft()
+        for nxt in world.exits[cell].values():
+            if nxt not in seen and frozenset((cell, nxt)) not in locks:
+                seen[nxt] = depth + 1
+                queue.append((nxt, depth + 1))
+    reachable = [g for g in goals if g in seen]
+    if not reachable:
+        return None
+    goal = min(reachable, key=lambda g: (seen[g], g))
+    return goal, _first_move(world, locks, start, goal) or ""
+
+
+def expert_action(env: TextWorldEnv) -> str:
+    """The scripted expert's command in the env's current state."""
+    world, state = env.world, env.state
+    if world is None or state is None:
+        raise RuntimeError("expert_action() before reset()")
+    here = state.position
+    carried_gems = [item for item in state.inventory if item in world.gems]
+    if carried_gems:
+        if here == world.altar:
+            return f"put {carried_gems[0]} on altar"
+        return f"go {_first_move(world, state.locks, here, world.altar)}"
+    remaining = [gem for gem in world.gems if gem not in state.delivered]
+    for gem in remaining:
+        if gem in state.items[here]:
+            return f"take {gem}"
+    gem_cells = [cell for cell, items in state.items.items() if any(gem in items for gem in remaining)]
+    route = _route(world, state.locks, here, gem_cells)
+    if route:
+        return f"go {route[1]}"
+    # Every remaining gem is behind a locked door: open the nearest door we hold the key to,
+    # else fetch the nearest key that opens one.
+    doors = {}  # outside cell of a locked vault -> material
+    for passage, material in state.locks.items():
+        for cell in passage:
+            if len(world.exits[cell]) > 1:
+                doors[cell] = material
+    held = {cell: m for cell, m in doors.items() if f"{m} key" in state.inventory}
+    if here in held:
+        return f"unlock {held[here]} door"
+    route = _route(world, state.locks, here, sorted(held))
+    if route:
+        return f"go {route[1]}"
+    keys = {f"{m} key" for m in doors.values()}
+    for item in state.items[here]:
+        if item in keys:
+            return f"take {item}"
+    key_cells = [cell for cell, items in state.items.items() if keys & set(items)]
+    route = _route(world, state.locks, here, key_cells)
+    if route:
+        return f"go {route[1]}"
+    return "look"  # unreachable in a generated world: every key lies outside the locked vaults
+
+
+class ExpertAgent:
+    """The expert, taking a random admissible command with probability `noise`."""
+
+    def __init__(self, noise: float = 0.0, seed: int = 0):
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise must be in [0, 1], got {noise}")
+        self.noise = noise
+        self.rng = random.Random(seed)
+        self.name = "expert" if noise == 0 else f"expert(noise={noise:g})"
+
+    def act(self, env: TextWorldEnv) -> str:
+        if self.noise and self.rng.random() < self.noise:
+            return self.rng.choice(env.admissible_actions())
+        return expert_action(env)
+
+
+class RandomAgent:
+    """Uniform over the admissible commands."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def act(self, env: TextWorldEnv) -> str:
+        return self.rng.choice(env.admissible_actions())
+
+
+def make_agent(kind: str, seed: int = 0, noise: float = 0.2) -> Agent:
+    """`expert`, `noisy` (expert with `noise`) or `random`."""
+    if kind == "expert":
+        return ExpertAgent(0.0, seed)
+    if kind == "noisy":
+        return ExpertAgent(noise, seed)
+    if kind == "random":
+        return RandomAgent(seed)
+    raise ValueError(f"unknown agent {kind!r}: use expert, noisy or random")
+
+
+def record_episode(env: TextWorldEnv, task_id: str, spec: dict, agent: Agent) -> Episode:
+    """Play one episode; each step is labelled with the expert's command in that state."""
+    observation = env.reset(spec)
+    steps = []
+    while True:
+        label = expert_action(env)
+        action = agent.act(env)
+        feedback = env.step(action)
+        steps.append(EpisodeStep(observation, action, feedback.reward, feedback.done, label))
+        if feedback.done:
+            break
+        observation = feedback.observation
+    return Episode(env.name, task_id, steps, agent.name,
+                   {"solved": feedback.info["solved"], "delivered": feedback.info["delivered"], "spec": dict(spec)})

@@ -1,0 +1,75 @@
+"""`sao compression record / train / inspect`, from a file, from the env's agents and from Kafka."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from sao.cli import app
+from sao.compression.episodes import read_episodes, replay_episode
+from sao.compression.temporal import load_temporal_filter
+from sao.transport.kafka import deliver_and_wait, make_producer
+from sao.transport.topics import ensure_topics
+from sao.schema import encode
+
+SMALL_WORLDS = ["--set", "env.options.size=6", "--set", "env.options.max_steps=30"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("episodes") / "episodes.jsonl"
+    result = CliRunner().invoke(app, ["compression", "record", "--out", str(path), "--episodes", "3",
+                                      "--agent", "noisy", "--noise", "0.3", *SMALL_WORLDS])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_record_writes_labelled_episodes(recorded):
+    episodes = read_episodes(recorded)
+    assert [len(e) for e in episodes] == [30, 30, 30]
+    assert all(step.label for e in episodes for step in e.steps)
+    assert [e.task_id for e in episodes] == ["textworld/0/0", "textworld/0/1", "textworld/0/2"]
+
+
+def test_train_then_inspect_from_a_file(recorded, tmp_path, encoder):
+    out = tmp_path / "filter.safetensors"
+    result = CliRunner().invoke(app, ["compression", "train", "--input", str(recorded), "--out", str(out),
+                                      "--hidden", "8", "--epochs", "2", "--target-keep-ratio", "0.4", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["seed"] == 3 and meta["episodes"] == 3 and meta["keep_ratio"] == pytest.approx(0.4, abs=0.1)
+    assert meta["command"].startswith("sao compression train --input") and "--seed 3" in meta["command"]
+    result = CliRunner().invoke(app, ["compression", "inspect", "--input", str(recorded), "--index", "1",
+                                      "--temporal-weights", str(out), "--width", "30"])
+    assert result.exit_code == 0, result.output
+    for expected in ("boundary", "keep", "merge", "redundant", "final step", "29 compressed into"):
+        assert expected in result.output
+
+
+def test_inspect_plays_the_env_and_train_needs_one_source(recorded):
+    result = CliRunner().invoke(app, ["compression", "inspect", "--from-env", "textworld", "--limit", "4",
+                                      "--kept-only", *SMALL_WORLDS])
+    assert result.exit_code == 0, result.output
+    assert "textworld/0/0" in result.output and "boundary" in result.output
+    result = CliRunner().invoke(app, ["compression", "train", "--input", str(recorded), "--from-env", "textworld",
+                                      "--out", "unused.safetensors"])
+    assert result.exit_code == 2 and "exactly one" in result.output
+    result = CliRunner().invoke(app, ["compression", "record", "--env", "arithmetic", "--out", "unused.jsonl"])
+    assert result.exit_code == 2 and "textworld only" in result.output
+
+
+def test_train_from_the_trajectories_topic(recorded, tmp_path, kafka_bootstrap, unique_topic_prefix, chat, encoder):
+    topic = f"{unique_topic_prefix}.trajectories"
+    ensure_topics(kafka_bootstrap, {topic: 1})
+    producer = make_producer(kafka_bootstrap)
+    for episode in read_episodes(recorded):
+        trajectory, _ = replay_episode(episode, chat, encoder, load_temporal_filter())
+        deliver_and_wait(producer, topic, encode(trajectory), key=trajectory.task_id)
+    deliver_and_wait(producer, topic, b"not msgpack", key="bad")  # skipped with a warning, not fatal
+    out = tmp_path / "from-kafka.safetensors"
+    result = CliRunner().invoke(app, ["compression", "train", "--bootstrap-servers", kafka_bootstrap,
+                                      "--set", f'topics.trajectories="{topic}"', "--out", str(out),
+                                      "--hidden", "8", "--epochs", "1"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["episodes"] == 3 and meta["steps"] == 90 and topic in meta["corpus"]

@@ -1,0 +1,53 @@
+"""Synthetic trajectories and trainer runs for trainer tests (no sampler, no LM rollout needed)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from sao.schema import Memory, Step, Trajectory, encode
+from sao.transport.kafka import make_producer
+from sao.transport.topics import ensure_topics
+
+TOTAL = 18  # unique trajectories; plus one duplicate and one malformed message
+
+
+def synthetic_trajectory(index: int, rng: np.random.Generator) -> Trajectory:
+    """A valid trajectory for the tiny model (random tokens, plausible behaviour log-probs)."""
+    steps = []
+    for turn in range(int(rng.integers(1, 3))):
+        length = int(rng.integers(2, 6))
+        steps.append(Step(observation_ids=rng.integers(3, 49152, 4).astype(np.int32),
+                          action_ids=rng.integers(3, 49152, length).astype(np.int32),
+                          behaviour_logprobs=np.full(length, -10.8, np.float32), reward=float(rng.random() < 0.5),
+                          done=False, memory_slots=np.zeros(0, np.int32)))
+    return Trajectory(trajectory_id=f"task-{index}#0", task_id=f"task-{index}", env="arithmetic", sampler_id="synthetic",
+                      behaviour_version=0, prompt_ids=rng.integers(3, 49152, 12).astype(np.int32), steps=steps,
+                      memory=Memory.empty(384), temperature=1.0, encoder="all-MiniLM-L6-v2", recent_window=0)
+
+
+def write_config(path: Path, prefix: str, **trainer) -> None:
+    knobs = {"batch_size": 3, "checkpoint_every": 1, "max_staleness": 1000, **trainer}
+    path.write_text(
+        f'[topics]\ntrajectories = "{prefix}.traj"\npolicy = "{prefix}.policy"\ndlq = "{prefix}.dlq"\n'
+        f'trainer_group = "{prefix}-trainer"\n'
+        '[policy]\nmodel = "tiny"\n[trainer]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in knobs.items()))
+
+
+def produce_trajectories(bootstrap: str, prefix: str, partitions: int = 3) -> list[str]:
+    ensure_topics(bootstrap, {f"{prefix}.traj": partitions, f"{prefix}.policy": 1, f"{prefix}.dlq": 1})
+    rng = np.random.default_rng(0)
+    producer = make_producer(bootstrap)
+    trajectories = [synthetic_trajectory(i, rng) for i in range(TOTAL)]
+    for t in trajectories:
+        producer.produce(f"{prefix}.traj", encode(t), key=t.task_id)
+    producer.produce(f"{prefix}.traj", encode(trajectories[0]), key=trajectories[0].task_id)  # redelivery
+    producer.produce(f"{prefix}.traj", b"\x93not a trajectory", key="garbage")
+    assert producer.flush(30) == 0
+    return [t.trajectory_id for t in trajectories]
+
+
+def trainer_command(config: Path, bootstrap: str, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "sao.cli", "trainer", "--config", str(config), "--bootstrap-servers", bootstrap,
+            "--run-dir", str(run_dir), "--expect", str(TOTAL + 1), *extra]
