@@ -218,6 +218,29 @@ def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | polic
     Console().print(inspect_topic(cfg, _bootstrap(cfg, bootstrap_servers), what, limit))
 
 
+@app.command("eval")
+def eval_(config: ConfigOpt = None, set_: SetOpt = None,
+          run_dir: Annotated[Path, typer.Option(help="Run directory whose policy/ holds the versions.")] = Path("runs/trainer"),
+          version: Annotated[int, typer.Option(help="Policy version to score (0 = the base model).")] = 0,
+          num_tasks: Annotated[int, typer.Option(help="Held-out tasks to score on.")] = 32,
+          greedy: Annotated[bool, typer.Option(help="Greedy actions (default) or sampled at policy.temperature.")] = True,
+          ) -> None:
+    """Score one policy version on held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
+    _setup_logging()
+    cfg = _config(config, set_)
+    from sao.evaluation import evaluate
+
+    try:
+        result = evaluate(cfg, run_dir, version, num_tasks, greedy)
+    except FileNotFoundError as err:
+        console.print(f"[red]{err}[/]")
+        raise typer.Exit(2) from err
+    table = Table(title=f"policy v{version} on {num_tasks} held-out tasks")
+    for key in ("reward_mean", "first_try_success", "seconds"):
+        table.add_row(key, f"{result[key]:.3f}")
+    Console().print(table)
+
+
 @config_app.command("show")
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the effective config as TOML."""

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Section(BaseModel):
@@ -117,14 +117,26 @@ class TrainerConfig(Section):
     sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
     checkpoint_every: int = Field(100, ge=1, description="Save a DeepSpeed checkpoint + offsets every N steps.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: run forever).")
-    keep_versions: int = Field(3, ge=1, description="Published weight files kept on disk.")
+    keep_versions: int = Field(3, ge=1, description="Published weight files kept on disk (shadow models for sao eval).")
+    eval_every: int = Field(0, ge=0, description="Score every Nth published version on held-out tasks in a "
+                                                 "background `sao eval` process (results in RUN_DIR/eval/); 0 = off.")
+    eval_tasks: int = Field(32, ge=1, description="Held-out tasks per background evaluation.")
     torch_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="Merged over sao's DeepSpeed config (ZeRO-3, clipping, batch).")
 
 
+    @model_validator(mode="after")
+    def _groups_fill_batches(self) -> TrainerConfig:
+        if self.algorithm == "grpo" and (self.group_size < 2 or self.batch_size % self.group_size):
+            raise ValueError(f"trainer.group_size {self.group_size} must be >= 2 and divide trainer.batch_size "
+                             f"{self.batch_size} when trainer.algorithm = 'grpo'")
+        return self
+
+
 class RunConfig(Section):
-    num_tasks: int = Field(96, ge=1, description="Tasks the feeder sends; the run ends when all are trained on.")
+    num_tasks: int = Field(96, ge=1, description="Tasks the feeder sends (grpo: each group_size times); the run ends "
+                                                 "when all their trajectories are trained on.")
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
     max_tasks_in_flight: int | None = Field(
         None, ge=1, description="Backpressure: tasks fed but not yet trained on, at most; unset = 2 x trainer.batch_size.")

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -50,16 +51,38 @@ def topic_partitions(config: SaoConfig) -> dict[str, int]:
     return {t.tasks: t.task_partitions, t.trajectories: t.trajectory_partitions, t.policy: 1, t.dlq: 1}
 
 
+def attempts_per_task(config: SaoConfig) -> int:
+    """SAO samples each task once; the GRPO baseline samples it group_size times."""
+    return config.trainer.group_size if config.trainer.algorithm == "grpo" else 1
+
+
 def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int = 0, producer=None) -> int:
-    """Produce tasks [start_index, start_index + count) (acks=all); returns how many were acked."""
+    """Produce tasks [start_index, start_index + count), each `attempts_per_task` times (acks=all).
+
+    Returns how many task messages (= trajectories to expect) were acknowledged.
+    """
     producer = producer or make_producer(bootstrap)
+    sent = 0
     for task in make_tasks(config.env, count, start_index):
-        producer.produce(config.topics.tasks, value=encode(task), key=task.task_id)
-        producer.poll(0)
+        for attempt in range(attempts_per_task(config)):
+            message = replace(task, attempt=attempt)  # attempt makes the trajectory_id distinct
+            producer.produce(config.topics.tasks, value=encode(message), key=task.task_id)
+            producer.poll(0)
+            sent += 1
     undelivered = producer.flush(30)
     if undelivered:
         raise RunFailed(f"{undelivered} tasks were not acknowledged by the broker at {bootstrap}")
-    return count
+    return sent
+
+
+def in_flight_cap(config: SaoConfig) -> int:
+    """Trajectories fed but not yet trained on, at most (never less than one task's attempts).
+
+    SAO: 2 batches, so samplers stay busy while the trainer steps, and staleness stays near 1.
+    GRPO: one batch, i.e. synchronous - the next batch is sampled only with the new policy.
+    """
+    default = config.trainer.batch_size * (1 if config.trainer.algorithm == "grpo" else 2)
+    return max(config.run.max_tasks_in_flight or default, attempts_per_task(config))
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
@@ -88,7 +111,8 @@ def run(config: SaoConfig, console: Console) -> dict:
     try:
         ensure_topics(bootstrap, topic_partitions(config))
         common = ["--config", str(config_path), "--bootstrap-servers", bootstrap, "--run-dir", str(run_dir)]
-        processes["trainer"] = _spawn(["trainer", *common, "--expect", str(config.run.num_tasks)],
+        expected = config.run.num_tasks * attempts_per_task(config)
+        processes["trainer"] = _spawn(["trainer", *common, "--expect", str(expected)],
                                       run_dir / "logs" / "trainer.log")
         for i in range(config.sampler.num_samplers):
             metrics_port = config.metrics.sampler_port + i if config.metrics.sampler_port else 0
@@ -112,8 +136,9 @@ def run(config: SaoConfig, console: Console) -> dict:
 def _watch(config: SaoConfig, bootstrap: str, run_dir: Path, processes: dict[str, subprocess.Popen],
            console: Console, started: float) -> None:
     """Feed tasks under backpressure and show progress until the trainer exits; fail fast if a process dies."""
-    total = config.run.num_tasks
-    in_flight_cap = config.run.max_tasks_in_flight or 2 * config.trainer.batch_size
+    attempts = attempts_per_task(config)
+    total = config.run.num_tasks * attempts  # trajectories
+    cap = in_flight_cap(config)
     producer = make_producer(bootstrap)
     fed = 0
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -128,13 +153,12 @@ def _watch(config: SaoConfig, bootstrap: str, run_dir: Path, processes: dict[str
             versions = ",".join(f"v{s.get('policy_version', 0)}" for s in samplers.values())
             progress.update(produced_bar, completed=produced, info=f"samplers on {versions or '-'}")
             trained = trainer.get("trajectories_trained", 0) + trainer.get("dead_lettered", 0)
-            # Backpressure: samplers never run more than `in_flight_cap` tasks ahead of the
+            # Backpressure: samplers never run more than `cap` trajectories ahead of the
             # trainer, which bounds staleness instead of producing work that goes stale.
-            wave = 0
-            if fed < total and fed - trained < in_flight_cap:
-                wave = min(total - fed, in_flight_cap - (fed - trained))
-                fed += feed_tasks(config, bootstrap, wave, start_index=fed, producer=producer)
-            record_feed(wave, fed - trained)
+            wave = min(total - fed, cap - (fed - trained)) // attempts  # whole tasks
+            sent = feed_tasks(config, bootstrap, wave, start_index=fed // attempts, producer=producer) if wave > 0 else 0
+            fed += sent
+            record_feed(sent, fed - trained)
             rewards = trainer.get("history", {}).get("reward", [])
             recent = rewards[-16:]
             progress.update(trained_bar, completed=trainer.get("trajectories_trained", 0),
@@ -185,6 +209,7 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "trajectories_trained": len(rewards),
         "duplicates_dropped": trainer.get("duplicates", 0),
         "tasks_fed": config.run.num_tasks,
+        "algorithm": config.trainer.algorithm if config.trainer.algorithm == "sao" else f"grpo (group {config.trainer.group_size})",
         "trainer_steps": trainer.get("step", 0),
         "policy_version": trainer.get("policy_version", 0),
         "max_behaviour_version": max(versions, default=0),

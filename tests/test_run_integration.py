@@ -15,7 +15,8 @@ def test_sao_run_trains_through_kafka(tmp_path):
     command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", str(tasks),
                "--samplers", "2", "--run-dir", str(run_dir),
                "--set", "trainer.batch_size=4", "--set", "run.max_tasks_in_flight=4",
-               "--set", "policy.max_new_tokens=8", "--set", "run.timeout_s=400"]
+               "--set", "policy.max_new_tokens=8", "--set", "run.timeout_s=400",
+               "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -40,3 +41,21 @@ def test_sao_run_trains_through_kafka(tmp_path):
     # A clean stop leaves a resumable checkpoint and the published weights.
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert list((run_dir / "policy").glob("policy-v*.safetensors"))
+
+
+@pytest.mark.slow
+def test_grpo_baseline_runs_synchronously_on_whole_groups(tmp_path):
+    run_dir = tmp_path / "grpo"
+    command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", "6", "--samplers", "1",
+               "--run-dir", str(run_dir), "--set", "trainer.algorithm=\"grpo\"", "--set", "trainer.group_size=2",
+               "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=6", "--set", "run.timeout_s=300",
+               "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trajectories_trained"] == 12 and summary["trainer_steps"] == 3
+    assert summary["staleness_mean"] == 0  # synchronous: every batch sampled by the current policy
+    for line in (run_dir / "trained.jsonl").read_text().splitlines():
+        ids = json.loads(line)["trajectory_ids"]
+        tasks = [tid.split("#")[0] for tid in ids]
+        assert all(tasks.count(task) == 2 for task in tasks), ids  # whole groups only

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import numpy as np
 
@@ -38,13 +38,21 @@ class SemanticEncoder:
     by token count so none is padded. Padding changes the float summation order inside
     attention (measured ~2e-7 here), which would let the online path (one text per call) and
     the batch path disagree after INT8 rounding.
+
+    Because an embedding depends on its text alone, the last `cache_size` distinct texts are
+    remembered: long-horizon episodes repeat themselves (a corridor walked again reads the
+    same), and a repeated text costs a lookup instead of a forward pass. 0 disables the cache.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", batch_size: int = 64):
+    def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", batch_size: int = 64,
+                 cache_size: int = 4096):
         from sentence_transformers import SentenceTransformer  # slow import, only when used
 
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size < 1 or cache_size < 0:
+            raise ValueError(f"need batch_size >= 1 and cache_size >= 0, got {batch_size} and {cache_size}")
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache_lock = threading.Lock()
         path, self.name = _resolve(model)
         self.device = device
         self.batch_size = batch_size
@@ -63,13 +71,42 @@ class SemanticEncoder:
         """The underlying SentenceTransformer (benchmarks compare against its own encode)."""
         return self._model
 
+    def clear_cache(self) -> None:
+        with self._cache_lock:
+            self._cache.clear()
+
     def encode(self, texts: list[str]) -> np.ndarray:
         """Embed `texts` into a float32 [n, dim] array of unit vectors, in input order.
 
-        Each call's throughput goes to the `sao_encoder_*` metrics.
+        Texts met recently come from the cache; the others are embedded once each. The model's
+        throughput on those goes to the `sao_encoder_*` metrics.
         """
-        started = time.perf_counter()
         texts = list(texts)
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        missing: dict[str, list[int]] = defaultdict(list)  # distinct uncached text -> its positions
+        with self._cache_lock:
+            for index, text in enumerate(texts):
+                cached = self._cache.get(text)
+                if cached is None:
+                    missing[text].append(index)
+                else:
+                    self._cache.move_to_end(text)
+                    out[index] = cached
+        if missing:
+            fresh = list(missing)
+            vectors = self._embed(fresh)
+            with self._cache_lock:
+                for text, vector in zip(fresh, vectors):
+                    out[missing[text]] = vector
+                    if self.cache_size:
+                        self._cache[text] = vector.copy()  # not a view that pins the whole batch
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return out
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        """Run the model on `texts`, one batch per token count, and record its throughput."""
+        started = time.perf_counter()
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for indices in self._same_length_groups(texts):
             vectors = self._model.encode(

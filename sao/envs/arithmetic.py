@@ -12,6 +12,7 @@ from sao.config import EnvConfig
 from sao.envs.base import Feedback
 from sao.schema import Task
 
+EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: a seed no training run uses by default
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -41,11 +42,17 @@ class ArithmeticEnv:
         return cls(max_turns=config.max_turns, retry_discount=config.retry_discount)
 
     @classmethod
-    def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0) -> list[Task]:
-        """`count` tasks from the configured dataset, indices [start_index, start_index + count)."""
+    def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]:
+        """`count` tasks, dataset indices [start_index, start_index + count) of the split.
+
+        The eval split is the same generator under another seed (`seed + EVAL_SEED_OFFSET`), so
+        its entries are drawn independently of training; tiny domains (1-digit sums) can still
+        repeat a question text across splits.
+        """
+        seed = config.seed + (EVAL_SEED_OFFSET if split == "eval" else 0)
         size = start_index + count
-        spec = {"dataset": config.dataset, "size": size, "seed": config.seed, "options": config.dataset_options}
-        return [Task(task_id=f"{config.dataset}/{config.seed}/{index}", env=cls.name, spec={**spec, "index": index})
+        spec = {"dataset": config.dataset, "size": size, "seed": seed, "options": config.dataset_options}
+        return [Task(task_id=f"{split}/{config.dataset}/{seed}/{index}", env=cls.name, spec={**spec, "index": index})
                 for index in range(start_index, size)]
 
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5):

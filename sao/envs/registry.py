@@ -2,7 +2,8 @@
 
 An environment class implements the `Env` protocol (reset/step over text) plus two
 classmethods: `from_config(config: EnvConfig)` builds an instance in a sampler, and
-`make_tasks(config, count, start_index)` lists tasks for the feeder.
+`make_tasks(config, count, start_index, split="train")` lists tasks for the feeder
+(`split="eval"`: held-out tasks for `sao eval`).
 """
 
 from __future__ import annotations
@@ -46,5 +47,8 @@ def make_env(config: EnvConfig) -> Env:
     return env_class(config.name).from_config(config)
 
 
-def make_tasks(config: EnvConfig, count: int, start_index: int = 0) -> list[Task]:
-    return env_class(config.name).make_tasks(config, count, start_index)
+def make_tasks(config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]:
+    """Tasks of the `train` split (what the feeder sends) or the held-out `eval` split."""
+    if split == "train":
+        return env_class(config.name).make_tasks(config, count, start_index)
+    return env_class(config.name).make_tasks(config, count, start_index, split=split)

@@ -95,8 +95,9 @@ class MemoryPolicy(nn.Module):
 
     @torch.no_grad()
     def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop_token_ids: set[int],
-               generator: torch.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Sample one action; return its token ids and their log-probs under logits / temperature."""
+               generator: torch.Generator | None = None, greedy: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Sample one action (argmax when `greedy`, for evaluation); return its token ids and their
+        log-probs under logits / temperature."""
         batch = collate_steps([step], self.memory_dim)
         embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
         out = self.lm(inputs_embeds=embeds, use_cache=True)
@@ -104,7 +105,8 @@ class MemoryPolicy(nn.Module):
         logprobs: list[float] = []
         for _ in range(max_new_tokens):
             step_logprobs = F.log_softmax(out.logits[0, -1].float() / temperature, dim=-1)
-            token = int(torch.multinomial(step_logprobs.exp(), 1, generator=generator))
+            token = int(step_logprobs.argmax()) if greedy else int(torch.multinomial(step_logprobs.exp(), 1,
+                                                                                        generator=generator))
             tokens.append(token)
             logprobs.append(float(step_logprobs[token]))
             if token in stop_token_ids:

@@ -81,7 +81,7 @@ class Roller:
         self.sampler_id = sampler_id
         self.generator = torch.Generator().manual_seed(seed)
 
-    def rollout(self, task: Task, behaviour_version: int) -> Trajectory:
+    def rollout(self, task: Task, behaviour_version: int, greedy: bool = False) -> Trajectory:
         policy_cfg, window = self.config.policy, self.config.compression.recent_window
         started = time.perf_counter()
         task_text = self.env.reset(task.spec)
@@ -97,7 +97,7 @@ class Roller:
                                    step_tokens(finished, observation_ids, window), np.zeros(0, np.int32))
             t0 = time.perf_counter()
             action_ids, logprobs = self.policy.sample(step_input, policy_cfg.max_new_tokens, policy_cfg.temperature,
-                                                      self.chat.stop_token_ids, self.generator)
+                                                      self.chat.stop_token_ids, self.generator, greedy)
             generate_s += time.perf_counter() - t0
             action_text = self.chat.decode(action_ids)
             feedback = self.env.step(action_text)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from sao.compression.semantic import load_encoder
 from sao import metrics
-from sao.config import SaoConfig
+from sao.config import SaoConfig, to_toml
 from sao.consumers.buffer import BufferEntry, ReplayBuffer
 from sao.consumers.trajectory_stream import TrajectoryStream
 from sao.policy.weights import build_policy
@@ -65,6 +67,7 @@ class Trainer:
         self.history: dict[str, list] = {key: [] for key in (
             "reward", "behaviour_version", "staleness", "compression_ratio", "loss", "ratio_mean", "ratio_abs_dev",
             "clip_fraction", "kl_k3", "grad_norm", "step_s", "trained_at")}
+        self.evaluations: list[subprocess.Popen] = []
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
         self.phase_s = {"wait": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "publish": 0.0}
@@ -109,6 +112,8 @@ class Trainer:
             if self.is_leader:
                 self.stream.close()
                 self.producer.flush(10)
+            for evaluation in self.evaluations:
+                evaluation.wait()  # their results belong to this run
             shutdown()
         return self.status()
 
@@ -229,6 +234,20 @@ class Trainer:
         self.publisher.publish(self.engine, self.state.policy_version, self.state.step)
         self.phase_s["publish"] = time.perf_counter() - started
         log.info("published policy v%d in %.1f s", self.state.policy_version, self.phase_s["publish"])
+        every = self.config.trainer.eval_every
+        if self.is_leader and every and self.state.policy_version % every == 0:
+            self._evaluate_in_background(self.state.policy_version)
+
+    def _evaluate_in_background(self, version: int) -> None:
+        """`sao eval` in its own process: training never waits for an evaluation."""
+        config_path = self.run_dir / "trainer-config.toml"
+        config_path.write_text(to_toml(self.config))
+        log_path = self.run_dir / "logs" / f"eval-v{version:06d}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.evaluations.append(subprocess.Popen(
+            [sys.executable, "-m", "sao.cli", "eval", "--config", str(config_path), "--run-dir", str(self.run_dir),
+             "--version", str(version), "--num-tasks", str(self.config.trainer.eval_tasks)],
+            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT))
 
     def _safe_offsets(self) -> dict[int, int]:
         return self.stream.safe_offsets(self.buffer.low_water_marks())

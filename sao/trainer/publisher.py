@@ -7,6 +7,7 @@ mount in a cluster); only the small announcement travels through Kafka. The last
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class PolicyPublisher:
         sha256 = write_weights(state, path)
         announcement = PolicyAnnouncement(version=version, weights_path=str(path.resolve()), sha256=sha256,
                                           num_bytes=path.stat().st_size, trainer_step=trainer_step)
+        # The same facts next to the file, so `sao eval` can verify a version without Kafka.
+        path.with_suffix(".json").write_text(json.dumps(announcement.to_wire()))
         deliver_and_wait(self.producer, self.topic, encode(announcement), key="policy")
         self._prune(version)
         return announcement
@@ -44,3 +47,4 @@ class PolicyPublisher:
         for old in self.weights_dir.glob("policy-v*.safetensors"):
             if int(old.stem.split("-v")[1]) <= newest - self.keep_versions:
                 old.unlink(missing_ok=True)
+                old.with_suffix(".json").unlink(missing_ok=True)

@@ -69,14 +69,30 @@ def test_a_bert_model_folder_works_and_its_dimension_is_read(tmp_path):
     np.testing.assert_array_equal(vectors, np.stack([bert.encode([t])[0] for t in texts]))
 
 
-def test_encoder_throughput_is_exported_as_metrics(encoder, dialogue):
+def test_repeated_texts_come_from_the_cache_and_throughput_is_exported(encoder):
     from prometheus_client import REGISTRY
 
-    def sample(name):
-        return REGISTRY.get_sample_value(name, {"encoder": encoder.name}) or 0.0
+    def embedded():
+        return REGISTRY.get_sample_value("sao_encoder_sentences_total", {"encoder": encoder.name}) or 0.0
 
-    before = sample("sao_encoder_sentences_total")
-    encoder.encode(dialogue[0][:5])
-    assert sample("sao_encoder_sentences_total") == before + 5
-    assert sample("sao_encoder_seconds_total") > 0
-    assert sample("sao_encoder_sentences_per_second") > 0
+    texts = [f"You go north.\nA corridor numbered {i} in the cache test." for i in range(3)]
+    before = embedded()
+    first = encoder.encode(texts + texts[:1])  # a repeat inside one call is embedded once
+    assert embedded() == before + 3
+    again = encoder.encode(texts[::-1])
+    assert embedded() == before + 3  # all cached
+    np.testing.assert_array_equal(again, first[[2, 1, 0]])
+    np.testing.assert_array_equal(first[3], first[0])
+    assert REGISTRY.get_sample_value("sao_encoder_sentences_per_second", {"encoder": encoder.name}) > 0
+    encoder.clear_cache()
+    np.testing.assert_array_equal(encoder.encode(texts), first[:3])  # recomputed bit for bit
+    assert embedded() == before + 6
+
+
+def test_cache_keeps_only_the_latest_texts(tmp_path):
+    from sao.compression.semantic import SemanticEncoder
+
+    bert = SemanticEncoder(str(_tiny_bert_folder(tmp_path)), cache_size=2)
+    bert.encode(["go north", "go south", "take ruby"])
+    assert list(bert._cache) == ["go south", "take ruby"]
+    assert SemanticEncoder(str(tmp_path), cache_size=0).encode(["go north"]).shape == (1, 48)

@@ -1,0 +1,32 @@
+"""`sao eval`: held-out tasks, base or published versions, clear error for a pruned version."""
+
+import json
+
+import pytest
+import torch
+
+from sao.envs.registry import make_tasks
+from sao.evaluation import evaluate, weights_of
+from sao.policy.weights import build_policy, unique_state_dict, write_weights
+from sao.schema import PolicyAnnouncement
+
+
+def test_eval_split_is_disjoint_from_training(tiny_config):
+    train = make_tasks(tiny_config.env, 50)
+    held_out = make_tasks(tiny_config.env, 50, split="eval")
+    assert not {t.task_id for t in train} & {t.task_id for t in held_out}
+    assert {t.spec["seed"] for t in train}.isdisjoint({t.spec["seed"] for t in held_out})
+
+
+def test_eval_scores_a_published_version(tiny_config, encoder, tmp_path):
+    policy = build_policy(tiny_config.policy, encoder.dim)
+    torch.nn.init.normal_(policy.projector.weight, std=0.01)
+    path = tmp_path / "policy" / "policy-v000003.safetensors"
+    sha = write_weights(unique_state_dict(policy.state_dict()), path)
+    path.with_suffix(".json").write_text(json.dumps(
+        PolicyAnnouncement(3, str(path), sha, path.stat().st_size, 6).to_wire()))
+    result = evaluate(tiny_config, tmp_path, version=3, num_tasks=2)
+    assert result["version"] == 3 and 0 <= result["reward_mean"] <= 1
+    assert json.loads((tmp_path / "eval" / "v000003.json").read_text()) == result
+    with pytest.raises(FileNotFoundError, match=r"kept: \[3\]"):
+        weights_of(tmp_path, 1)
