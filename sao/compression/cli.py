@@ -33,17 +33,27 @@ logger = logging.getLogger(__name__)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any knob: section.knob=value.")]
-InputOpt = Annotated[Optional[Path], typer.Option("--input", help="Recorded episodes: JSONL, or length-prefixed trajectory messages.")]
+InputOpt = Annotated[Optional[Path], typer.Option(
+    "--input", help="Recorded episodes: JSONL, or length-prefixed trajectory messages.")]
 BootstrapOpt = Annotated[Optional[str], typer.Option(help="Read trajectories from this Kafka instead of a file.")]
 FromEnvOpt = Annotated[Optional[str], typer.Option(help="Play episodes with this env's scripted agents (textworld).")]
 AgentOpt = Annotated[str, typer.Option(help="Scripted agent: expert, noisy, random, or mix (4 noisy : 1 random).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the agents, the worlds (env.seed) and the LSTM training.")]
-EncoderOpt = Annotated[Optional[str], typer.Option(help="Sentence encoder path or name (default: compression.encoder).")]
+EncoderOpt = Annotated[Optional[str], typer.Option(
+    help="Sentence encoder path or name (default: compression.encoder).")]
+NoiseOpt = Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")]
+MaxMessagesOpt = Annotated[Optional[int], typer.Option(help="With --bootstrap-servers: read at most this many.")]
+KeepRatioOpt = Annotated[float, typer.Option(min=0.01, max=1.0, help="Calibrate the threshold to keep this share of steps.")]
+WeightsOpt = Annotated[Optional[Path], typer.Option(help="Filter weights (default: compression.temporal_weights).")]
+ThresholdOpt = Annotated[Optional[float], typer.Option(
+    help="Keep threshold (default: compression.keep_threshold, else the weights').")]
+OutOpt = Annotated[Path, typer.Option(help="Weights file to write (.safetensors; a .json sidecar goes beside it).")]
 
 
 def _setup(config: Path | None, sets: list[str] | None) -> SaoConfig:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level="INFO", format="%(message)s", handlers=[RichHandler(console=console, show_path=False)])
+        handler = RichHandler(console=console, show_path=False)
+        logging.basicConfig(level="INFO", format="%(message)s", handlers=[handler])
     for noisy in ("httpx", "sentence_transformers", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
@@ -99,7 +109,7 @@ def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (
            env: Annotated[str, typer.Option(help="Env whose scripted agents play.")] = "textworld",
            episodes: Annotated[int, typer.Option(min=1, help="Episodes to record.")] = 10,
            agent: AgentOpt = "noisy",
-           noise: Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")] = 0.2,
+           noise: NoiseOpt = 0.2,
            seed: SeedOpt = 0,
            start_index: Annotated[int, typer.Option(help="First task index.")] = 0,
            config: ConfigOpt = None, set_: SetOpt = None) -> None:
@@ -114,15 +124,15 @@ def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (
 
 
 @compression_app.command()
-def train(out: Annotated[Path, typer.Option(help="Weights file to write (.safetensors; a .json sidecar goes beside it).")],
+def train(out: OutOpt,
           input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
           episodes: Annotated[int, typer.Option(min=2, help="With --from-env: episodes to play.")] = 20,
           agent: AgentOpt = "mix",
-          noise: Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")] = 0.2,
-          max_messages: Annotated[Optional[int], typer.Option(help="With --bootstrap-servers: read at most this many.")] = None,
+          noise: NoiseOpt = 0.2,
+          max_messages: MaxMessagesOpt = None,
           encoder: EncoderOpt = None,
           seed: SeedOpt = 0,
-          target_keep_ratio: Annotated[float, typer.Option(min=0.01, max=1.0, help="Calibrate the threshold to keep this share of steps.")] = 0.5,
+          target_keep_ratio: KeepRatioOpt = 0.5,
           hidden: Annotated[int, typer.Option(min=1, help="LSTM hidden size.")] = 128,
           epochs: Annotated[int, typer.Option(min=1, help="Training epochs.")] = 30,
           threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
@@ -171,11 +181,11 @@ def train(out: Annotated[Path, typer.Option(help="Weights file to write (.safete
 def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
             index: Annotated[int, typer.Option(min=0, help="Which episode of the file, topic or env.")] = 0,
             agent: AgentOpt = "noisy",
-            noise: Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")] = 0.2,
+            noise: NoiseOpt = 0.2,
             seed: SeedOpt = 0,
             encoder: EncoderOpt = None,
-            temporal_weights: Annotated[Optional[Path], typer.Option(help="Filter weights (default: compression.temporal_weights).")] = None,
-            threshold: Annotated[Optional[float], typer.Option(help="Keep threshold (default: compression.keep_threshold, else the weights').")] = None,
+            temporal_weights: WeightsOpt = None,
+            threshold: ThresholdOpt = None,
             limit: Annotated[Optional[int], typer.Option(min=1, help="Show at most this many rows.")] = None,
             kept_only: Annotated[bool, typer.Option(help="Show only the kept steps.")] = False,
             width: Annotated[int, typer.Option(min=10, help="Characters of step text shown.")] = 70,

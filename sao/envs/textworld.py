@@ -9,11 +9,14 @@ unless asked for, so what the agent already carries lives only in its history: t
 that context compression must keep.
 
 Scripted agents (an expert that plans with the world's map, a random policy) are in
-`sao.envs.textworld_agents`.
+`sao.envs.textworld_agents`. To sample it with an LM, set `env.name = "textworld"`, shape the
+worlds with `env.options` (`DEFAULT_OPTIONS` below) and raise `env.max_turns` to `max_steps`:
+the sampler stops an episode after `env.max_turns` turns.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from sao.config import EnvConfig
 from sao.envs.base import Feedback
 from sao.schema import Task
 
+logger = logging.getLogger(__name__)
 Cell = tuple[int, int]
 
 MOVES = {"north": (0, -1), "south": (0, 1), "east": (1, 0), "west": (-1, 0)}
@@ -193,7 +197,11 @@ class TextWorldEnv:
 
     @classmethod
     def from_config(cls, config: EnvConfig) -> TextWorldEnv:
-        task_options(dict(config.options))  # fail at start on a wrong option, naming it
+        max_steps = task_options(dict(config.options))["max_steps"]  # fails at start on a wrong option
+        if config.max_turns < max_steps:
+            logger.warning("env.max_turns=%d is below textworld's max_steps=%d: a sampler stops each episode "
+                           "after %d turns; set env.max_turns to %d", config.max_turns, max_steps,
+                           config.max_turns, max_steps)
         return cls()
 
     @classmethod

@@ -62,7 +62,6 @@ class Sampler:
         handled = 0
         try:
             while not self.stopping and (max_tasks is None or handled < max_tasks):
-                self._maybe_reload()
                 msg = self.tasks.poll(0.5)
                 self.task_lag.maybe_report()
                 if msg is None:
@@ -70,6 +69,9 @@ class Sampler:
                 if msg.error() is not None:
                     log.warning("tasks topic: %s", msg.error())
                     continue
+                # Between trajectories, right before the next one: a version announced while
+                # this sampler waited for a task is used for that task.
+                self._maybe_reload()
                 self._handle(msg)
                 handled += 1
                 self._write_status()

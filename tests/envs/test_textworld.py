@@ -109,3 +109,10 @@ def test_admissible_actions_are_all_understood():
             assert not action.startswith("I don't")
         feedback = env.step(agent.act(env))
         assert not feedback.observation.startswith("I don't understand")
+
+
+def test_a_sampler_turn_limit_below_max_steps_is_warned_about(caplog):
+    make_env(CONFIG.model_copy(update={"max_turns": 1000}))
+    assert not caplog.records
+    make_env(CONFIG.model_copy(update={"max_turns": 5}))
+    assert "env.max_turns=5" in caplog.text
