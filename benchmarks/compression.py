@@ -241,8 +241,8 @@ def fidelity_figures(episodes, step_embeddings, observation_embeddings, trajecto
         memory = trajectory.memory
         samples.append({
             "steps": steps, "older": np.array([max(0, t - window) for t in range(len(steps))]),
-            "slots": memory.dequantized(np.arange(len(memory.vectors))),
-            "visible": np.array([len(s.memory_slots) for s in trajectory.steps]),
+            "slots": memory.dequantized(len(memory.vectors)),
+            "visible": np.array([s.memory_count for s in trajectory.steps]),
             "observations": observations, "recent": recent,
             "command": np.array([label_index(s.label) for s in episode.steps], np.int64),
             "carrying": carrying_gem(episode),

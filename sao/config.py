@@ -112,6 +112,10 @@ class TrainerConfig(Section):
         "env", description="Running-mean reward baseline per env (task family) or per task id.")
     baseline_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum of the reward baseline.")
     whiten_advantages: bool = Field(True, description="Normalise advantages over the batch (mean 0, std 1).")
+    value_head: bool = Field(
+        False, description="Learn V(context) with a linear head on the LM's last hidden state; each step's advantage "
+                           "becomes reward - V (detached, not whitened) instead of reward - running baseline.")
+    value_coef: float = Field(0.5, ge=0, description="Weight of the value head's squared error in the loss.")
     max_staleness: int = Field(8, ge=0, description="Trajectories more policy versions behind are not trained on (DLQ'd).")
     freshness_decay: float = Field(1.0, gt=0, le=1, description="Loss weight freshness_decay ** staleness.")
     sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
@@ -122,8 +126,10 @@ class TrainerConfig(Section):
                                                  "background `sao eval` process (results in RUN_DIR/eval/); 0 = off.")
     eval_tasks: int = Field(32, ge=1, description="Held-out tasks per background evaluation.")
     torch_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
+    deepspeed_config: str | None = Field(
+        None, description="A DeepSpeed JSON config file, merged over sao's derived config (ZeRO-3, clipping, batch).")
     deepspeed: dict[str, Any] = Field(
-        default_factory=dict, description="Merged over sao's DeepSpeed config (ZeRO-3, clipping, batch).")
+        default_factory=dict, description="Inline DeepSpeed settings, merged last (over deepspeed_config).")
 
 
     @model_validator(mode="after")

@@ -102,8 +102,9 @@ class Task:
 class Step:
     """One turn: the observation shown, the action sampled, and how likely the sampler found it.
 
-    `memory_slots` are indices into the trajectory's memory table: the compressed earlier steps
-    the policy saw (as soft tokens) when it generated this action.
+    The policy saw the first `memory_count` slots of the trajectory's memory table (as soft
+    tokens) when it generated this action. Slots become visible in the order they are created,
+    so a count says as much as an index list, at 1 integer per step instead of O(steps).
     """
 
     observation_ids: np.ndarray  # int32 [n]
@@ -111,7 +112,7 @@ class Step:
     behaviour_logprobs: np.ndarray  # float32 [m], log mu(a_t | context) under the sampling temperature
     reward: float
     done: bool
-    memory_slots: np.ndarray  # int32 [k]
+    memory_count: int
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -120,7 +121,7 @@ class Step:
             "behaviour_logprobs": pack_array(self.behaviour_logprobs, np.float32),
             "reward": float(self.reward),
             "done": bool(self.done),
-            "memory_slots": pack_array(self.memory_slots, np.int32),
+            "memory_count": int(self.memory_count),
         }
 
     @classmethod
@@ -135,7 +136,7 @@ class Step:
             behaviour_logprobs=logprobs,
             reward=float(_get(obj, "reward", (int, float), prefix)),
             done=_get(obj, "done", bool, prefix),
-            memory_slots=unpack_array(obj.get("memory_slots"), prefix + "memory_slots", np.int32, 1),
+            memory_count=_get(obj, "memory_count", int, prefix),
         )
         _require(len(actions) == len(logprobs), prefix + "behaviour_logprobs",
                  f"{len(logprobs)} log-probs for {len(actions)} action tokens")
@@ -160,10 +161,9 @@ class Memory:
         return cls(np.zeros((0, dim), np.int8), np.zeros(0, np.float32), np.zeros((0, 2), np.int32),
                    np.zeros(0, np.float32))
 
-    def dequantized(self, slots: np.ndarray) -> np.ndarray:
-        """FP32 vectors of the given slots: exactly what the sampler fed the policy."""
-        idx = np.asarray(slots, dtype=np.int64)
-        return self.vectors[idx].astype(np.float32) * self.scales[idx, None]
+    def dequantized(self, count: int) -> np.ndarray:
+        """FP32 vectors of the first `count` slots: exactly what the sampler fed the policy."""
+        return self.vectors[:count].astype(np.float32) * self.scales[:count, None]
 
     def to_wire(self) -> dict[str, Any]:
         return {"vectors": pack_array(self.vectors, np.int8), "scales": pack_array(self.scales, np.float32),
@@ -230,8 +230,8 @@ class Trajectory:
         steps = [Step.from_wire(raw, i) for i, raw in enumerate(steps_raw)]
         memory = Memory.from_wire(obj.get("memory"))
         for i, step in enumerate(steps):
-            _require(bool(np.all((step.memory_slots >= 0) & (step.memory_slots < len(memory.vectors)))),
-                     f"steps[{i}].memory_slots", f"slot index outside the memory table of {len(memory.vectors)}")
+            _require(0 <= step.memory_count <= len(memory.vectors), f"steps[{i}].memory_count",
+                     f"{step.memory_count} is outside the memory table of {len(memory.vectors)} slots")
         temperature = float(_get(obj, "temperature", (int, float)))
         _require(temperature > 0, "temperature", "must be > 0")
         version = _get(obj, "behaviour_version", int)

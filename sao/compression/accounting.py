@@ -66,7 +66,7 @@ def trajectory_context_costs(trajectory: Trajectory) -> dict[str, ContextCost]:
     return context_costs(
         len(trajectory.prompt_ids),
         [len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps],
-        [len(s.memory_slots) for s in trajectory.steps],
+        [s.memory_count for s in trajectory.steps],
         trajectory.memory.vectors.shape[1],
         trajectory.recent_window,
     )
@@ -79,7 +79,7 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
     stored_once  the conversation's token ids once (prompt + each step's observation and
                  action), from which every naive context can be rebuilt;
     memory       sao's INT8 memory table (vectors, scales, spans, reward sums);
-    slot_refs    each step's `memory_slots` index array;
+    slot_refs    each step's `memory_count` (one int32 per step: the visible slots are a prefix);
     sao          stored_once + memory + slot_refs: every array the trainer needs to rebuild
                  each step's context exactly as the policy saw it;
     message      the whole msgpack message (also behaviour log-probs, ids, timings, framing).
@@ -91,7 +91,7 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
         naive += history
     memory = trajectory.memory
     memory_bytes = memory.vectors.nbytes + memory.scales.nbytes + memory.spans.nbytes + memory.reward_sums.nbytes
-    slot_refs = sum(step.memory_slots.nbytes for step in trajectory.steps)
+    slot_refs = 4 * len(trajectory.steps)
     stored_once = history * TOKEN_BYTES
     return {
         "naive": naive * TOKEN_BYTES,

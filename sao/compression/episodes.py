@@ -208,10 +208,10 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
                            else chat.feedback_observation(step.observation))
         action_ids = np.asarray(chat.tokenizer(step.action, add_special_tokens=False)["input_ids"] + end_of_turn,
                                 dtype=np.int32)
-        slots = np.asarray(visible_slots_at(table.created_at_step, index, recent_window), dtype=np.int32)
+        visible = len(visible_slots_at(table.created_at_step, index, recent_window))
         steps.append(Step(observation_ids, action_ids, np.zeros(len(action_ids), np.float32), step.reward,
-                          step.done, slots))
-    used = max((len(step.memory_slots) for step in steps), default=0)  # as the sampler: unseen slots are not sent
+                          step.done, visible))
+    used = max((step.memory_count for step in steps), default=0)  # as the sampler: unseen slots are not sent
     memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
     prompt_text = episode.steps[0].observation if episode.steps else ""
     trajectory = Trajectory(

@@ -41,7 +41,7 @@ def training_inputs(trajectory: Trajectory) -> list[StepInput]:
     for step in trajectory.steps:
         inputs.append(StepInput(
             prompt_ids=trajectory.prompt_ids,
-            memory=trajectory.memory.dequantized(step.memory_slots),
+            memory=trajectory.memory.dequantized(step.memory_count),
             context_ids=step_tokens(finished, step.observation_ids, trajectory.recent_window),
             action_ids=step.action_ids,
         ))

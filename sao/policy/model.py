@@ -65,33 +65,49 @@ def collate_steps(inputs: list[StepInput], memory_dim: int, temperatures: list[f
 class MemoryPolicy(nn.Module):
     """Causal LM + memory projector. `forward` scores action tokens; `sample` generates them."""
 
-    def __init__(self, lm: nn.Module, memory_dim: int):
+    def __init__(self, lm: nn.Module, memory_dim: int, value_head: bool = False):
         super().__init__()
         self.lm = lm
         self.memory_dim = memory_dim
         self.projector = nn.Linear(memory_dim, lm.config.hidden_size)
         nn.init.zeros_(self.projector.weight)
         nn.init.zeros_(self.projector.bias)
+        # Optional state-value head on the last context position (trainer only; never published).
+        self.value_head = nn.Linear(lm.config.hidden_size, 1) if value_head else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
 
     def _embed(self, token_ids: torch.Tensor, memory_vectors: torch.Tensor, memory_mask: torch.Tensor) -> torch.Tensor:
         token_embeds = self.lm.get_input_embeddings()(token_ids)
         memory_embeds = self.projector(memory_vectors.to(token_embeds.dtype))
         return torch.where(memory_mask.unsqueeze(-1), memory_embeds, token_embeds)
 
-    def forward(self, batch: ScoringBatch) -> torch.Tensor:
-        """Log-probs [B, L] of each position's token given everything before it (0 where not an action)."""
+    def forward(self, batch: ScoringBatch, with_values: bool = False):
+        """Log-probs [B, L] of each position's token given everything before it (0 where not an action).
+
+        With `with_values` (needs the value head) also V(context) [B]: the value head read at
+        each row's last context position, the state the first action token was sampled in.
+        """
         embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
         width = batch.token_ids.shape[1]
         # Only positions from the first action on are scored: the logits of the prompt are never
         # computed, which saves most of the lm_head cost on long prompts.
         keep = width - batch.first_action_position + 1
-        logits = self.lm(inputs_embeds=embeds, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+        out = self.lm(inputs_embeds=embeds, attention_mask=batch.attention_mask, logits_to_keep=keep,
+                      output_hidden_states=with_values)
+        logits = out.logits
         logprobs = F.log_softmax(logits[:, :-1].float() / batch.temperatures[:, None, None], dim=-1)
         targets = batch.token_ids[:, width - keep + 1:]
         token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         scored = torch.zeros(batch.token_ids.shape, dtype=token_logprobs.dtype, device=token_logprobs.device)
         scored[:, width - keep + 1:] = token_logprobs
-        return scored * batch.action_mask
+        scored = scored * batch.action_mask
+        if not with_values:
+            return scored
+        last_context = batch.action_mask.int().argmax(dim=1) - 1
+        hidden = out.hidden_states[-1][torch.arange(len(last_context), device=last_context.device), last_context]
+        return scored, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
     @torch.no_grad()
     def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop_token_ids: set[int],

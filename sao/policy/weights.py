@@ -68,6 +68,6 @@ def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:
     return name == "lm.lm_head.weight" and bool(getattr(policy.lm.config, "tie_word_embeddings", False))
 
 
-def build_policy(config: PolicyConfig, memory_dim: int) -> MemoryPolicy:
+def build_policy(config: PolicyConfig, memory_dim: int, value_head: bool = False) -> MemoryPolicy:
     """Version 0 of the policy: base LM + zero projector, identical in every process."""
-    return MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_dim)
+    return MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_dim, value_head)

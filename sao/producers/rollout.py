@@ -92,8 +92,8 @@ class Roller:
         steps: list[Step] = []
         generate_s = 0.0
         for _ in range(self.config.env.max_turns):
-            slots = np.asarray(compressor.visible_slots(), dtype=np.int32)
-            step_input = StepInput(prompt_ids, compressor.dequantized(slots),
+            visible = len(compressor.visible_slots())  # always the first `visible` slots
+            step_input = StepInput(prompt_ids, compressor.dequantized(list(range(visible))),
                                    step_tokens(finished, observation_ids, window), np.zeros(0, np.int32))
             t0 = time.perf_counter()
             action_ids, logprobs = self.policy.sample(step_input, policy_cfg.max_new_tokens, policy_cfg.temperature,
@@ -101,7 +101,7 @@ class Roller:
             generate_s += time.perf_counter() - t0
             action_text = self.chat.decode(action_ids)
             feedback = self.env.step(action_text)
-            steps.append(Step(observation_ids, action_ids, logprobs, feedback.reward, feedback.done, slots))
+            steps.append(Step(observation_ids, action_ids, logprobs, feedback.reward, feedback.done, visible))
             finished.append((observation_ids, action_ids))
             if feedback.done:
                 break
@@ -110,7 +110,7 @@ class Roller:
         table = compressor.memory()
         # Slots become visible in creation order, so the ones no step ever saw form a tail:
         # the episode ended before they left the recent window. They are not sent.
-        used = max((len(step.memory_slots) for step in steps), default=0)
+        used = max((step.memory_count for step in steps), default=0)
         memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
         stages = compressor.stats()
         return Trajectory(

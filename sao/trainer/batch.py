@@ -8,7 +8,7 @@ equal the full-batch loss: 1 rank and 2 ranks follow the same curve.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,22 +52,36 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
 def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cfg: TrainerConfig,
               memory_dim: int) -> tuple[torch.Tensor, LossStats]:
     """Forward the given trajectories of the plan; rows with weight 0 keep idle ranks in step."""
-    inputs, row_weights, behaviour, temperatures, row_trajectory = [], [], [], [], []
+    inputs, row_weights, behaviour, temperatures, row_trajectory, returns, freshness = [], [], [], [], [], [], []
     for local, index in enumerate(indices if indices else [0]):
         trajectory = plan.trajectories[index]
-        weight = plan.advantages[index] * cfg.freshness_decay ** plan.staleness[index] if indices else 0.0
+        fresh = cfg.freshness_decay ** plan.staleness[index] if indices else 0.0
+        to_go = float(sum(step.reward for step in trajectory.steps))
         for step_input, step in zip(training_inputs(trajectory), trajectory.steps):
             inputs.append(step_input)
-            row_weights.append(weight)
+            row_weights.append(plan.advantages[index] * fresh)
             behaviour.append(torch.from_numpy(step.behaviour_logprobs.copy()))
             temperatures.append(trajectory.temperature)
             row_trajectory.append(local)
+            returns.append(to_go)  # return-to-go of this step: the value head's target
+            freshness.append(fresh)
+            to_go -= step.reward
     device = engine.device
     scoring = collate_steps(inputs, memory_dim, temperatures).to(device)
     behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=device)
     for row, row_logprobs in enumerate(behaviour):
         behaviour_logprobs[row, scoring.action_mask[row]] = row_logprobs.to(device)
-    logprobs = engine(scoring)
-    return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask,
-                                  torch.tensor(row_weights, device=device),
-                                  torch.tensor(row_trajectory, device=device), normaliser), cfg)
+    if not cfg.value_head:
+        logprobs = engine(scoring)
+        return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask,
+                                      torch.tensor(row_weights, device=device),
+                                      torch.tensor(row_trajectory, device=device), normaliser), cfg)
+    logprobs, values = engine(scoring, with_values=True)
+    targets = torch.tensor(returns, device=device)
+    weights = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
+    loss, stats = policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, weights,
+                                         torch.tensor(row_trajectory, device=device), normaliser), cfg)
+    live = torch.tensor(freshness, device=device) > 0  # idle-rank padding rows do not train the value head
+    value_loss = ((values - targets) ** 2 * live).sum() / normaliser
+    total = loss + cfg.value_coef * value_loss
+    return total, replace(stats, loss=float(total.detach()), value_loss=float(value_loss.detach()))

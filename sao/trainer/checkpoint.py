@@ -24,6 +24,7 @@ class TrainerState:
     baseline: dict = field(default_factory=dict)
     seen_trajectory_ids: list[str] = field(default_factory=list)  # trained or dead-lettered, never again
     handled: int = 0  # trajectories trained or dead-lettered up to this checkpoint
+    rng: dict = field(default_factory=dict)  # torch and replay-sampling RNG states, as plain lists
 
     @classmethod
     def from_json(cls, data: dict) -> TrainerState:

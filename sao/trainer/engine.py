@@ -8,8 +8,10 @@ bf16. The user's `trainer.deepspeed` table is merged over what sao derives.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,8 +58,20 @@ def batch_layout(trainer: TrainerConfig, world_size: int) -> tuple[int, int]:
     rank scores about train_batch_size / (accumulation * world_size) trajectories per
     micro-batch; sao splits uneven batches itself and normalises the loss accordingly.
     """
-    user = trainer.deepspeed
+    user = user_deepspeed_config(trainer)
     return int(user.get("train_batch_size", trainer.batch_size)), int(user.get("gradient_accumulation_steps", 1))
+
+
+def user_deepspeed_config(trainer: TrainerConfig) -> dict[str, Any]:
+    """The user's DeepSpeed settings: the JSON file, then the inline table over it."""
+    from_file: dict[str, Any] = {}
+    if trainer.deepspeed_config:
+        path = Path(trainer.deepspeed_config).expanduser()
+        try:
+            from_file = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"trainer.deepspeed_config {path}: cannot read a JSON object ({err})") from err
+    return _merge(from_file, trainer.deepspeed)
 
 
 def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
@@ -76,7 +90,7 @@ def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         config["bf16"] = {"enabled": True}
-    return _merge(config, trainer.deepspeed)
+    return _merge(config, user_deepspeed_config(trainer))
 
 
 def build_engine(model: torch.nn.Module, trainer: TrainerConfig):

@@ -45,7 +45,8 @@ class Trainer:
         self.run_dir = run_dir
         self.checkpoint_dir = run_dir / "checkpoints"
         self.memory_dim = load_encoder(config.compression.encoder).dim
-        self.engine = build_engine(build_policy(config.policy, self.memory_dim), config.trainer)
+        self.engine = build_engine(build_policy(config.policy, self.memory_dim, config.trainer.value_head),
+                                   config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
         restored = load_checkpoint(self.engine, self.checkpoint_dir) if resume else None
         self.state = restored or TrainerState()
@@ -59,6 +60,9 @@ class Trainer:
                                          config.trainer.keep_versions)
         self.buffer = ReplayBuffer(config.trainer.max_reuse, config.trainer.priority_exponent,
                                    config.trainer.freshness_decay)
+        if self.state.rng:  # a resumed run draws the same random numbers it would have drawn
+            torch.set_rng_state(torch.tensor(self.state.rng["torch"], dtype=torch.uint8))
+            self.buffer.rng.setstate(_tupled(self.state.rng["replay"]))
         self.stream = TrajectoryStream(bootstrap, config.topics.trajectories,
                                        DeadLetterQueue(self.producer, config.topics.dlq),
                                        config.trainer.max_staleness, self.state.offsets if restored else None,
@@ -66,7 +70,7 @@ class Trainer:
                                        config.topics.trainer_group) if self.is_leader else None
         self.history: dict[str, list] = {key: [] for key in (
             "reward", "behaviour_version", "staleness", "compression_ratio", "loss", "ratio_mean", "ratio_abs_dev",
-            "clip_fraction", "kl_k3", "grad_norm", "step_s", "trained_at")}
+            "clip_fraction", "kl_k3", "value_loss", "grad_norm", "step_s", "trained_at")}
         self.evaluations: list[subprocess.Popen] = []
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
@@ -170,7 +174,7 @@ class Trainer:
         ranks, count = world_size(), len(plan.trajectories)
         normaliser = count / (self.accumulation * ranks)
         chunks = [list(range(count))[i::self.accumulation] for i in range(self.accumulation)]
-        totals = torch.zeros(6, dtype=torch.float64)
+        totals = torch.zeros(7, dtype=torch.float64)
         for chunk in chunks:
             t0 = time.perf_counter()
             loss, stats = rank_loss(self.engine, plan, chunk[rank()::ranks], normaliser, self.config.trainer,
@@ -182,14 +186,15 @@ class Trainer:
             self.phase_s["optimizer"] += time.perf_counter() - t1
             totals += torch.tensor([stats.loss, stats.tokens, stats.ratio_mean * stats.tokens,
                                     stats.ratio_abs_dev * stats.tokens, stats.clip_fraction * stats.tokens,
-                                    stats.kl_k3 * stats.tokens], dtype=torch.float64)
+                                    stats.kl_k3 * stats.tokens, stats.value_loss], dtype=torch.float64)
         if dist.is_initialized() and ranks > 1:
             dist.all_reduce(totals)
         grad_norm = self.engine.get_global_grad_norm()
         tokens = max(float(totals[1]), 1.0)
         step_metrics = {"loss": float(totals[0]) / (self.accumulation * ranks),
                         "ratio_mean": float(totals[2]) / tokens, "ratio_abs_dev": float(totals[3]) / tokens,
-                        "clip_fraction": float(totals[4]) / tokens, "kl_k3": float(totals[5]) / tokens}
+                        "clip_fraction": float(totals[4]) / tokens, "kl_k3": float(totals[5]) / tokens,
+                        "value_loss": float(totals[6]) / (self.accumulation * ranks)}
         self._record(plan, step_metrics, grad_norm, time.perf_counter() - started)
         return {**step_metrics, "grad_norm": self.history["grad_norm"][-1]}
 
@@ -264,6 +269,7 @@ class Trainer:
             self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
             self.state.handled = self._handled() - len(self.buffer)
         self.state.baseline = self.baseline.state_dict()
+        self.state.rng = {"torch": torch.get_rng_state().tolist(), "replay": _jsonable(self.buffer.rng.getstate())}
         started = time.perf_counter()
         save_checkpoint(self.engine, self.checkpoint_dir, self.state)
         if self.is_leader:
@@ -291,3 +297,12 @@ class Trainer:
     def _write_status(self, finished: bool = False) -> None:
         name = "trainer.json" if self.is_leader else f"trainer-rank{rank()}.json"
         write_status(self.run_dir / "status" / name, {**self.status(), "finished": finished})
+
+
+def _jsonable(state):
+    """random.Random state (nested tuples) as JSON lists."""
+    return [_jsonable(item) for item in state] if isinstance(state, tuple) else state
+
+
+def _tupled(state):
+    return tuple(_tupled(item) for item in state) if isinstance(state, list) else state

@@ -28,6 +28,7 @@ class LossStats:
     clip_fraction: float  # tokens truncated (tis), clipped (ppo) or masked out (masked)
     kl_k3: float  # k3 estimate of KL(mu || pi): E_mu[(rho - 1) - log rho]
     tokens: int
+    value_loss: float = 0.0  # squared error of the value head, when it is on
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ class PolicyPublisher:
         if torch.distributed.get_rank() != 0:
             return None
         path = self.weights_dir / f"policy-v{version:06d}.safetensors"
-        sha256 = write_weights(state, path)
+        # Samplers act with the policy only; the trainer's value head stays in its checkpoints.
+        sha256 = write_weights({k: v for k, v in state.items() if not k.startswith("value_head.")}, path)
         announcement = PolicyAnnouncement(version=version, weights_path=str(path.resolve()), sha256=sha256,
                                           num_bytes=path.stat().st_size, trainer_step=trainer_step)
         # The same facts next to the file, so `sao eval` can verify a version without Kafka.

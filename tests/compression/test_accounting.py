@@ -10,7 +10,7 @@ from sao.schema import Memory, Step, Trajectory, encode
 def _trajectory(recent_window=1):
     # 4 steps of 3 + 2 tokens; slots created at steps 0 and 2; step t sees slots created <= t - 2.
     steps = [Step(np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.zeros(2, np.float32), 0.0,
-                  t == 3, np.asarray(slots, np.int32)) for t, slots in enumerate([[], [], [0], [0]])]
+                  t == 3, visible) for t, visible in enumerate([0, 0, 1, 1])]
     memory = Memory(np.ones((2, 8), np.int8), np.ones(2, np.float32), np.array([[0, 1], [2, 3]], np.int32),
                     np.zeros(2, np.float32))
     return Trajectory("t#0", "t", "textworld", "s", 0, np.arange(10, dtype=np.int32), steps, memory, 1.0, "enc",
@@ -38,6 +38,6 @@ def test_trajectory_bytes_agree_with_the_trainer_and_the_wire():
     assert sizes["naive"] == trajectory_context_costs(trajectory)["naive"].bytes
     assert sizes["stored_once"] == 4 * (10 + 4 * 5)
     assert sizes["memory"] == 2 * 8 + 2 * 4 + 2 * 8 + 2 * 4
-    assert sizes["slot_refs"] == 4 * 2
+    assert sizes["slot_refs"] == 4 * 4  # one int32 count per step
     assert sizes["sao"] == sizes["stored_once"] + sizes["memory"] + sizes["slot_refs"]
     assert sizes["message"] == len(encode(trajectory))

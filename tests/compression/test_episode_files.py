@@ -41,7 +41,7 @@ def test_replayed_trajectory_decodes_back_to_the_step_texts(tmp_path, short_epis
     # The memory is what the sampler's compressor builds, cut to the slots some step saw.
     table, visible, _ = compress_batch(short_episode.texts()[:39], short_episode.rewards()[:39], encoder,
                                        temporal_filter, recent_window=1)
-    assert [s.memory_slots.tolist() for s in trajectory.steps[:39]] == visible
+    assert [list(range(s.memory_count)) for s in trajectory.steps[:39]] == visible
     np.testing.assert_array_equal(trajectory.memory.vectors, table.vectors[: len(trajectory.memory.vectors)])
     path = tmp_path / "trajectories.bin"
     assert write_trajectory_records(path, [trajectory, trajectory]) == 2

@@ -42,7 +42,7 @@ def test_chat_pieces_concatenate_into_the_chat_template(chat):
 def test_default_window_puts_every_earlier_step_in_memory(tiny_config, chat, encoder):
     assert tiny_config.env.max_turns == 2 and tiny_config.compression.recent_window == 0
     trajectory = make_roller(tiny_config, chat, encoder).rollout(make_tasks(tiny_config.env, 1)[0], 0)
-    assert [s.memory_slots.tolist() for s in trajectory.steps] == [[], [0]]
+    assert [s.memory_count for s in trajectory.steps] == [0, 1]
     assert len(trajectory.steps[1].observation_ids) < 40  # only the feedback turn, no replayed history
 
 
@@ -53,7 +53,7 @@ def test_rollout_is_wire_ready_and_rescored_exactly(roller):
     # A random tiny model never answers right: all attempts are used, and with recent_window=1 the
     # third step sees the first through memory, the second in full text.
     assert len(trajectory.steps) == 3
-    assert [s.memory_slots.tolist() for s in trajectory.steps] == [[], [], [0]]
+    assert [s.memory_count for s in trajectory.steps] == [0, 0, 1]
     assert len(trajectory.memory.vectors) == 1 and trajectory.memory.vectors.dtype == np.int8
     assert trajectory.compression["ratio"] > 1
     inputs = training_inputs(trajectory)

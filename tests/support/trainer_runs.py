@@ -21,7 +21,7 @@ def synthetic_trajectory(index: int, rng: np.random.Generator) -> Trajectory:
         steps.append(Step(observation_ids=rng.integers(3, 49152, 4).astype(np.int32),
                           action_ids=rng.integers(3, 49152, length).astype(np.int32),
                           behaviour_logprobs=np.full(length, -10.8, np.float32), reward=float(rng.random() < 0.5),
-                          done=False, memory_slots=np.zeros(0, np.int32)))
+                          done=False, memory_count=0))
     return Trajectory(trajectory_id=f"task-{index}#0", task_id=f"task-{index}", env="arithmetic", sampler_id="synthetic",
                       behaviour_version=0, prompt_ids=rng.integers(3, 49152, 12).astype(np.int32), steps=steps,
                       memory=Memory.empty(384), temperature=1.0, encoder="all-MiniLM-L6-v2", recent_window=0)

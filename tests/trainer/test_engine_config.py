@@ -1,0 +1,34 @@
+"""DeepSpeed config: sao derives ZeRO-3 settings; a JSON file and an inline table pass through."""
+
+import json
+
+import pytest
+
+from sao.config import TrainerConfig
+from sao.trainer.engine import batch_layout, deepspeed_config
+
+
+def test_derived_config_is_zero3_with_clipping():
+    config = deepspeed_config(TrainerConfig(batch_size=8, grad_clip=0.5), world_size=2)
+    assert config["zero_optimization"]["stage"] == 3 and config["gradient_clipping"] == 0.5
+    assert config["train_batch_size"] == 8 and config["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_file_then_inline_override_and_batch_settings_come_from_deepspeed(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 12, "gradient_accumulation_steps": 3,
+                                "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    trainer = TrainerConfig(batch_size=8, deepspeed_config=str(path),
+                            deepspeed={"zero_optimization": {"stage3_max_live_parameters": 10}})
+    assert batch_layout(trainer, world_size=2) == (12, 3)
+    config = deepspeed_config(trainer, world_size=2)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"] == {"device": "cpu"}
+    assert zero["stage3_max_live_parameters"] == 10
+    assert config["gradient_accumulation_steps"] == 3 and config["train_batch_size"] == 12
+
+
+def test_unreadable_file_names_the_knob(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="trainer.deepspeed_config"):
+        batch_layout(TrainerConfig(deepspeed_config=str(tmp_path / "bad.json")), 1)
