@@ -89,11 +89,12 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
         num_tasks: Annotated[Optional[int], typer.Option(help="run.num_tasks")] = None,
         samplers: Annotated[Optional[int], typer.Option(help="sampler.num_samplers")] = None,
         model: Annotated[Optional[str], typer.Option(help="policy.model")] = None,
+        env: Annotated[Optional[str], typer.Option(help="env.name: a built-in or package.module:Class")] = None,
         bootstrap_servers: BootstrapOpt = None, metrics_port: MetricsPortOpt = None) -> None:
     """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""
     _setup_logging()
     cfg = _config(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None, "run.num_tasks": num_tasks,
-                                   "sampler.num_samplers": samplers, "policy.model": model,
+                                   "sampler.num_samplers": samplers, "policy.model": model, "env.name": env,
                                    "broker.bootstrap_servers": bootstrap_servers,
                                    "metrics.launcher_port": metrics_port})
     _serve_metrics(cfg, cfg.metrics.launcher_port, "launcher")

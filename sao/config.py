@@ -47,6 +47,8 @@ class EnvConfig(Section):
     retry_discount: float = Field(
         0.5, gt=0, le=1, description="Reward of a right answer at attempt k (0-based) is score * discount**k.")
     seed: int = Field(0, description="Seed of the task stream (dataset sampling).")
+    step_timeout_s: float = Field(
+        30.0, ge=0, description="An env reset/step running longer ends its episode (DLQ reason env-timeout); 0 = no limit.")
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="Env-specific options of a non-reasoning-gym env, e.g. textworld's size, gems, locked_doors, "

@@ -13,6 +13,7 @@ from sao.compression.semantic import SemanticEncoder
 from sao.compression.temporal import TemporalFilter
 from sao.config import SaoConfig
 from sao.envs.base import Env
+from sao.envs.guard import call_env
 from sao.policy.context import StepInput, naive_context_tokens, step_tokens
 from sao.policy.model import MemoryPolicy
 from sao.schema import Memory, Step, Task, Trajectory
@@ -84,7 +85,8 @@ class Roller:
     def rollout(self, task: Task, behaviour_version: int, greedy: bool = False) -> Trajectory:
         policy_cfg, window = self.config.policy, self.config.compression.recent_window
         started = time.perf_counter()
-        task_text = self.env.reset(task.spec)
+        limit = self.config.env.step_timeout_s
+        task_text = call_env("env.reset", self.env.reset, task.spec, timeout_s=limit)
         prompt_ids = self.chat.prompt(task_text)
         compressor = OnlineCompressor(self.encoder, self.temporal_filter, recent_window=window)
         observation_text, observation_ids = task_text, self.chat.first_observation(task_text)
@@ -100,7 +102,7 @@ class Roller:
                                                       self.chat.stop_token_ids, self.generator, greedy)
             generate_s += time.perf_counter() - t0
             action_text = self.chat.decode(action_ids)
-            feedback = self.env.step(action_text)
+            feedback = call_env("env.step", self.env.step, action_text, timeout_s=limit)
             steps.append(Step(observation_ids, action_ids, logprobs, feedback.reward, feedback.done, visible))
             finished.append((observation_ids, action_ids))
             if feedback.done:

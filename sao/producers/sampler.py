@@ -20,6 +20,7 @@ from confluent_kafka import KafkaException
 from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
+from sao.envs.guard import EnvFailure
 from sao.envs.registry import make_env
 from sao.metrics import record_delivery, record_policy_reload, record_rollout
 from sao.policy.loading import load_tokenizer
@@ -88,13 +89,14 @@ class Sampler:
     def _handle(self, msg) -> None:
         try:
             task = decode(msg.value(), Task)
-        except SchemaError as err:
+            record_delivery(msg.topic(), task.created_at, len(msg.value()))
+            trajectory = self.roller.rollout(task, self.version)
+        except (SchemaError, EnvFailure) as err:
+            # A malformed task, or an env that raised or hung: this task ends here, the sampler goes on.
             self.dlq.send(msg.value(), err.reason, source_topic=msg.topic(), partition=msg.partition(),
                           offset=msg.offset(), key=msg.key(), detail=str(err))
             self.counters["dead_lettered"] += 1
         else:
-            record_delivery(msg.topic(), task.created_at, len(msg.value()))
-            trajectory = self.roller.rollout(task, self.version)
             produce_started = time.perf_counter()
             deliver_and_wait(self.producer, self.config.topics.trajectories, encode(trajectory), key=task.task_id)
             record_rollout(trajectory, time.perf_counter() - produce_started)

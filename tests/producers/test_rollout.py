@@ -85,3 +85,44 @@ def test_real_smollm2_rollout_is_rescored_exactly(encoder):
         scored = policy(batch)
     for row, step in enumerate(trajectory.steps):
         np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-3)
+
+
+def test_sampler_dead_letters_a_failing_env_and_goes_on(kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path):
+    """Through the real broker: the failing task lands in the DLQ with its reason, the next task runs."""
+    from sao.launcher import feed_tasks
+    from sao.producers.sampler import Sampler
+    from sao.transport.dlq import describe_dlq_message
+    from sao.transport.kafka import read_all
+    from sao.transport.topics import ensure_topics
+
+    config = tiny_config.model_copy(deep=True)
+    p = unique_topic_prefix
+    config.topics.tasks, config.topics.trajectories = f"{p}.tasks", f"{p}.traj"
+    config.topics.policy, config.topics.dlq, config.topics.sampler_group = f"{p}.policy", f"{p}.dlq", f"{p}-s"
+    config.policy.max_new_tokens, config.metrics.sampler_port = 4, 0
+    ensure_topics(kafka_bootstrap, {config.topics.tasks: 1, config.topics.trajectories: 1, config.topics.policy: 1,
+                                    config.topics.dlq: 1})
+    feed_tasks(config, kafka_bootstrap, 2)
+    sampler = Sampler(config, kafka_bootstrap, "s-hostile", tmp_path / "status.json")
+    sampler.roller.env = _FailOnce(sampler.roller.env)  # the first episode's grader crashes
+    counters = sampler.run(max_tasks=2)
+    assert counters["dead_lettered"] == 1 and counters["produced"] == 1
+    dead = [describe_dlq_message(m) for m in read_all(kafka_bootstrap, config.topics.dlq)]
+    assert [d["reason"] for d in dead] == ["env-error"]
+    assert len(read_all(kafka_bootstrap, config.topics.trajectories)) == 1
+
+
+class _FailOnce:
+    """Wraps an env: the first episode's step raises, later episodes work."""
+
+    def __init__(self, env):
+        self.env, self.failed = env, False
+
+    def reset(self, spec):
+        return self.env.reset(spec)
+
+    def step(self, action):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("grader crashed once")
+        return self.env.step(action)
