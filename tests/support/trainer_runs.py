@@ -27,12 +27,14 @@ def synthetic_trajectory(index: int, rng: np.random.Generator) -> Trajectory:
                       memory=Memory.empty(384), temperature=1.0, encoder="all-MiniLM-L6-v2", recent_window=0)
 
 
-def write_config(path: Path, prefix: str, **trainer) -> None:
+def write_config(path: Path, prefix: str, group: str | None = None, trainer_toml: str = "", **trainer) -> None:
+    """Tiny-model trainer config on the prefixed topics; `trainer_toml` adds raw lines to [trainer]."""
     knobs = {"batch_size": 3, "checkpoint_every": 1, "max_staleness": 1000, **trainer}
     path.write_text(
         f'[topics]\ntrajectories = "{prefix}.traj"\npolicy = "{prefix}.policy"\ndlq = "{prefix}.dlq"\n'
-        f'trainer_group = "{prefix}-trainer"\n'
-        '[policy]\nmodel = "tiny"\n[trainer]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in knobs.items()))
+        f'trainer_group = "{group or prefix + "-trainer"}"\n'
+        '[policy]\nmodel = "tiny"\n[metrics]\ntrainer_port = 0\n[trainer]\n'
+        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in knobs.items()) + trainer_toml + "\n")
 
 
 def produce_trajectories(bootstrap: str, prefix: str, partitions: int = 3) -> list[str]:

@@ -1,4 +1,4 @@
-"""ZeRO-3 across 2 CPU ranks (torchrun, gloo) follows the same loss curve as 1 rank, with half the memory."""
+"""ZeRO-3 across 2 CPU ranks (torchrun, gloo), gradient accumulation and CPU offload: one loss curve."""
 
 import json
 import subprocess
@@ -21,23 +21,33 @@ def train(ranks: int, config, bootstrap: str, run_dir) -> dict:
     return json.loads((run_dir / "status" / "trainer.json").read_text())
 
 
+VARIANTS = {  # name: (ranks, extra [trainer] TOML)
+    "one_rank": (1, ""),
+    "two_ranks": (2, ""),
+    "accumulation": (1, "deepspeed = { gradient_accumulation_steps = 2 }"),
+    "cpu_offload": (1, 'deepspeed = { zero_optimization = { offload_optimizer = { device = "cpu" } } }'),
+}
+
+
 @pytest.mark.slow
-def test_two_ranks_match_one_rank(kafka_bootstrap, unique_topic_prefix, tmp_path):
-    # One partition: both runs read the same trajectories in the same order.
+def test_ranks_accumulation_and_offload_follow_one_loss_curve(kafka_bootstrap, unique_topic_prefix, tmp_path):
+    """2 ranks, 2 accumulation micro-batches and CPU offload train exactly like 1 plain rank."""
+    # One partition: every run reads the same trajectories in the same order.
     produce_trajectories(kafka_bootstrap, unique_topic_prefix, partitions=1)
     status = {}
-    for ranks in (1, 2):
-        config = tmp_path / f"r{ranks}.toml"
-        write_config(config, unique_topic_prefix, batch_size=4, checkpoint_every=100)
-        # a consumer group per run, so the second run reads the topic from the start too
-        config.write_text(config.read_text().replace(f'"{unique_topic_prefix}-trainer"',
-                                                     f'"{unique_topic_prefix}-trainer-{ranks}"'))
-        status[ranks] = train(ranks, config, kafka_bootstrap, tmp_path / f"run{ranks}")
-    one, two = status[1], status[2]
-    assert one["world_size"] == 1 and two["world_size"] == 2
-    assert len(one["history"]["loss"]) == len(two["history"]["loss"]) == 5  # 18 trajectories / 4, last one partial
-    assert one["history"]["loss"] == pytest.approx(two["history"]["loss"], rel=1e-4, abs=1e-4)
-    assert one["history"]["grad_norm"] == pytest.approx(two["history"]["grad_norm"], rel=1e-4)
-    # ZeRO-3: each rank holds about half the parameters and optimizer state.
+    for name, (ranks, extra) in VARIANTS.items():
+        config = tmp_path / f"{name}.toml"
+        # a consumer group per run, so each reads the topic from the start
+        write_config(config, unique_topic_prefix, group=f"{unique_topic_prefix}-{name}", trainer_toml=extra,
+                     batch_size=4, checkpoint_every=100)
+        status[name] = train(ranks, config, kafka_bootstrap, tmp_path / name)
+    one = status["one_rank"]
+    assert len(one["history"]["loss"]) == 5  # 18 trajectories / 4, the last batch partial
+    for name in ("two_ranks", "accumulation", "cpu_offload"):
+        other = status[name]
+        assert other["history"]["loss"] == pytest.approx(one["history"]["loss"], rel=1e-4, abs=1e-4), name
+        assert other["history"]["grad_norm"] == pytest.approx(one["history"]["grad_norm"], rel=1e-4), name
+    assert status["two_ranks"]["world_size"] == 2
+    # ZeRO-3: each of 2 ranks holds about half the parameters and optimizer state.
     for key in ("param_bytes", "optimizer_state_bytes"):
-        assert two["memory"][key] < 0.6 * one["memory"][key], key
+        assert status["two_ranks"]["memory"][key] < 0.6 * one["memory"][key], key
