@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sao.consumers.buffer import BufferEntry
 from sao.schema import Trajectory, decode
 
 
@@ -21,10 +22,14 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def broadcast_batch(raw_messages: list[bytes] | None, stop: bool, device: torch.device) -> tuple[list[Trajectory], bool]:
-    """Rank 0 passes its messages and whether training should stop; every rank gets both back."""
+def broadcast_batch(entries: list[BufferEntry] | None, stop: bool, device: torch.device) -> tuple[list[Trajectory], bool]:
+    """Rank 0 passes its buffer entries and whether training should stop; every rank gets both back.
+
+    Rank 0 keeps the trajectories it already decoded; the other ranks decode the raw bytes.
+    """
     if world_size() == 1:
-        return [decode(raw, Trajectory) for raw in raw_messages or []], stop
+        return [entry.trajectory for entry in entries or []], stop
+    raw_messages = [entry.raw for entry in entries or []] if rank() == 0 else None
     header = torch.zeros(2, dtype=torch.long, device=device)
     if rank() == 0:
         lengths = torch.tensor([len(raw) for raw in raw_messages or []], dtype=torch.long, device=device)
@@ -42,6 +47,8 @@ def broadcast_batch(raw_messages: list[bytes] | None, stop: bool, device: torch.
         payload = torch.zeros(total, dtype=torch.uint8, device=device)
     if total:
         dist.broadcast(payload, src=0)
+    if rank() == 0:
+        return [entry.trajectory for entry in entries or []], stop
     data = payload.cpu().numpy().tobytes()
     batch, start = [], 0
     for length in lengths.tolist():

@@ -91,8 +91,8 @@ class Trainer:
         try:
             while True:
                 waited = time.perf_counter()
-                raw_batch = self._collect(expected_trajectories)  # rank 0 only; empty means stop
-                batch, stop = broadcast_batch(raw_batch, self.is_leader and not raw_batch, self.engine.device)
+                entries = self._collect(expected_trajectories)  # rank 0 only; empty means stop
+                batch, stop = broadcast_batch(entries, self.is_leader and not entries, self.engine.device)
                 self.phase_s = {"wait": time.perf_counter() - waited, "forward_backward": 0.0, "optimizer": 0.0,
                                 "publish": 0.0}
                 if stop:
@@ -134,8 +134,8 @@ class Trainer:
         return (self.stopping or (max_steps is not None and self.state.step >= max_steps)
                 or (expected is not None and self._handled() >= expected and len(self.buffer) == 0))
 
-    def _collect(self, expected: int | None) -> list[bytes] | None:
-        """Rank 0: raw messages of the next batch (empty when training should stop)."""
+    def _collect(self, expected: int | None) -> list[BufferEntry] | None:
+        """Rank 0: the next batch's buffer entries (empty when training should stop)."""
         if not self.is_leader:
             return None
         cfg = self.config.trainer
@@ -145,7 +145,7 @@ class Trainer:
             all_arrived = expected is not None and self._handled() >= expected
             entries = self._take(all_arrived)
             if entries:
-                return [entry.raw for entry in entries]
+                return entries
             for entry in self.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
                 self.buffer.add(entry)
         return []
