@@ -50,3 +50,19 @@ class PolicyFollower:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def latest_announced_version(bootstrap: str, topic: str) -> int:
+    """The highest version ever announced on `topic` (0 if none); reads the whole (tiny) topic."""
+    follower = PolicyFollower(bootstrap, topic)
+    try:
+        latest, deadline = None, time.monotonic() + 10.0
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - quiet_since < 1.0:
+            before = follower.latest
+            latest = follower.poll(0.2)
+            if latest is not before:
+                quiet_since = time.monotonic()
+        return latest.version if latest is not None else 0
+    finally:
+        follower.close()

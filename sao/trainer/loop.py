@@ -24,6 +24,7 @@ from sao.config import SaoConfig, to_toml
 from sao.consumers.buffer import BufferEntry, ReplayBuffer
 from sao.consumers.trajectory_stream import TrajectoryStream
 from sao.policy.weights import build_policy
+from sao.producers.policy_follow import latest_announced_version
 from sao.schema import Trajectory
 from sao.status import write_status
 from sao.trainer.baselines import RewardBaseline
@@ -50,6 +51,8 @@ class Trainer:
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
         restored = load_checkpoint(self.engine, self.checkpoint_dir) if resume else None
         self.state = restored or TrainerState()
+        if restored:
+            self.state.policy_version = self._next_free_version(bootstrap, config.topics.policy)
         self.handled_before_start = self.state.handled  # trained or dead-lettered by earlier lives
         self.baseline = RewardBaseline(config.trainer.baseline_key, config.trainer.baseline_momentum)
         if self.state.baseline:
@@ -83,6 +86,21 @@ class Trainer:
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
+
+    def _next_free_version(self, bootstrap: str, topic: str) -> int:
+        """After a resume, continue above every version ever announced, not at the checkpoint's.
+
+        A crashed run may have announced versions after its last checkpoint; reusing their
+        numbers would leave samplers that loaded them on the abandoned weights.
+        """
+        version = torch.tensor([self.state.policy_version], dtype=torch.long, device=self.engine.device)
+        if rank() == 0:
+            version[0] = max(self.state.policy_version, latest_announced_version(bootstrap, topic))
+        if world_size() > 1:
+            dist.broadcast(version, src=0)
+        if int(version) != self.state.policy_version:
+            log.info("resuming at policy v%d: versions up to it were announced before the crash", int(version))
+        return int(version)
 
     def run(self, expected_trajectories: int | None = None) -> dict:
         """Train until `max_steps`, until `expected_trajectories` are handled, or until stopped."""
