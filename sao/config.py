@@ -82,6 +82,9 @@ class CompressionConfig(Section):
 class SamplerConfig(Section):
     num_samplers: int = Field(2, ge=1, description="Sampler processes `sao run` starts.")
     torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
+    rollout_batch: int = Field(
+        4, ge=1, description="Tasks a sampler rolls out side by side (one batched forward per token); each is "
+                             "still one trajectory with its own env.")
 
 
 class TrainerConfig(Section):

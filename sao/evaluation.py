@@ -40,7 +40,7 @@ def evaluate(config: SaoConfig, run_dir: Path, version: int, num_tasks: int, gre
     if version > 0:
         read_weights_into(policy, *weights_of(run_dir, version))
     chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
-    roller = Roller(config, make_env(config.env), policy, chat, encoder,
+    roller = Roller(config, lambda: make_env(config.env), policy, chat, encoder,
                     load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold),
                     sampler_id=f"eval-v{version}", seed=0)
     started = time.perf_counter()

@@ -108,6 +108,10 @@ class TemporalFilter:
         self.meta = dict(meta or {})  # provenance: encoder name, training seed/command, stats
         self.start()
 
+    def fork(self) -> TemporalFilter:
+        """A filter with the same weights and threshold but its own online state (one per live episode)."""
+        return TemporalFilter(self.model, self.threshold, self.meta)
+
     @property
     def dim(self) -> int:
         return self.model.dim

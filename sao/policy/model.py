@@ -112,20 +112,49 @@ class MemoryPolicy(nn.Module):
     @torch.no_grad()
     def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop_token_ids: set[int],
                generator: torch.Generator | None = None, greedy: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Sample one action (argmax when `greedy`, for evaluation); return its token ids and their
-        log-probs under logits / temperature."""
-        batch = collate_steps([step], self.memory_dim)
-        embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
-        out = self.lm(inputs_embeds=embeds, use_cache=True)
-        tokens: list[int] = []
-        logprobs: list[float] = []
+        """One action for one context; see `sample_batch`."""
+        return self.sample_batch([step], max_new_tokens, temperature, stop_token_ids, generator, greedy)[0]
+
+    @torch.no_grad()
+    def sample_batch(self, steps: list[StepInput], max_new_tokens: int, temperature: float, stop_token_ids: set[int],
+                     generator: torch.Generator | None = None, greedy: bool = False
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Sample one action per context, all rows in one batched forward per token.
+
+        Rows are left-padded and their position ids count only real tokens, so every row sees
+        exactly what it would see alone (what the trainer recomputes, unpadded). Returns, per
+        row, the token ids (up to and including the first stop token) and their log-probs under
+        logits / temperature; `greedy` takes the argmax instead of sampling (evaluation).
+        """
+        batch = collate_steps(steps, self.memory_dim)
+        lengths = batch.attention_mask.sum(dim=1)
+        width = batch.token_ids.shape[1]
+        # Right-padded -> left-padded: shift each row right by its padding.
+        order = (torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)) % width
+        rows = torch.arange(len(steps)).unsqueeze(1)
+        embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)[rows, order]
+        attention = batch.attention_mask[rows, order]
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.lm(inputs_embeds=embeds, attention_mask=attention, position_ids=positions, use_cache=True)
+        tokens: list[list[int]] = [[] for _ in steps]
+        logprobs: list[list[float]] = [[] for _ in steps]
+        active = torch.ones(len(steps), dtype=torch.bool)
+        next_position = lengths.clone()
         for _ in range(max_new_tokens):
-            step_logprobs = F.log_softmax(out.logits[0, -1].float() / temperature, dim=-1)
-            token = int(step_logprobs.argmax()) if greedy else int(torch.multinomial(step_logprobs.exp(), 1,
-                                                                                        generator=generator))
-            tokens.append(token)
-            logprobs.append(float(step_logprobs[token]))
-            if token in stop_token_ids:
+            step_logprobs = F.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
+            chosen = step_logprobs.argmax(dim=-1) if greedy else \
+                torch.multinomial(step_logprobs.exp(), 1, generator=generator).squeeze(-1)
+            for row in active.nonzero().flatten().tolist():
+                token = int(chosen[row])
+                tokens[row].append(token)
+                logprobs[row].append(float(step_logprobs[row, token]))
+                if token in stop_token_ids:
+                    active[row] = False
+            if not active.any():
                 break
-            out = self.lm(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
-        return np.asarray(tokens, dtype=np.int32), np.asarray(logprobs, dtype=np.float32)
+            # Finished rows keep stepping (one batch), but their new positions are masked out.
+            attention = torch.cat([attention, active.long().unsqueeze(1)], dim=1)
+            out = self.lm(input_ids=chosen.unsqueeze(1), attention_mask=attention,
+                          position_ids=next_position.unsqueeze(1), cache=out.cache, use_cache=True)
+            next_position = next_position + 1
+        return [(np.asarray(t, dtype=np.int32), np.asarray(lp, dtype=np.float32)) for t, lp in zip(tokens, logprobs)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ from sao.compression.semantic import SemanticEncoder
 from sao.compression.temporal import TemporalFilter
 from sao.config import SaoConfig
 from sao.envs.base import Env
-from sao.envs.guard import call_env
+from sao.envs.guard import EnvFailure, call_env
 from sao.policy.context import StepInput, naive_context_tokens, step_tokens
 from sao.policy.model import MemoryPolicy
 from sao.schema import Memory, Step, Task, Trajectory
@@ -68,13 +69,75 @@ class ChatFormat:
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
 
-class Roller:
-    """Runs episodes with the current policy; the policy object is swapped in place on reload."""
+class _Episode:
+    """One episode in progress: its env, its online compressor and the steps taken so far."""
 
-    def __init__(self, config: SaoConfig, env: Env, policy: MemoryPolicy, chat: ChatFormat,
+    def __init__(self, roller: Roller, task: Task, env: Env):
+        self.roller, self.task, self.env = roller, task, env
+        self.started = time.perf_counter()
+        self.limit = roller.config.env.step_timeout_s
+        task_text = call_env("env.reset", env.reset, task.spec, timeout_s=self.limit)
+        self.prompt_ids = roller.chat.prompt(task_text)
+        # A temporal filter holds one trajectory's LSTM state: each episode gets its own.
+        self.compressor = OnlineCompressor(roller.encoder, roller.temporal_filter.fork(),
+                                           recent_window=roller.config.compression.recent_window)
+        self.observation_text, self.observation_ids = task_text, roller.chat.first_observation(task_text)
+        self.finished: list[tuple[np.ndarray, np.ndarray]] = []
+        self.steps: list[Step] = []
+        self.done = False
+        self.visible = 0
+
+    def next_input(self) -> StepInput:
+        self.visible = len(self.compressor.visible_slots())  # always the first `visible` slots
+        return StepInput(self.prompt_ids, self.compressor.dequantized(list(range(self.visible))),
+                         step_tokens(self.finished, self.observation_ids, self.roller.config.compression.recent_window),
+                         np.zeros(0, np.int32))
+
+    def advance(self, action_ids: np.ndarray, logprobs: np.ndarray) -> None:
+        """Show the action to the env, record the step, compress it if a later step will need it."""
+        action_text = self.roller.chat.decode(action_ids)
+        feedback = call_env("env.step", self.env.step, action_text, timeout_s=self.limit)
+        self.steps.append(Step(self.observation_ids, action_ids, logprobs, feedback.reward, feedback.done,
+                               self.visible))
+        self.finished.append((self.observation_ids, action_ids))
+        self.done = feedback.done or len(self.steps) >= self.roller.config.env.max_turns
+        if not self.done:
+            self.compressor.finish_step(f"{self.observation_text}\n{action_text}", feedback.reward)
+            self.observation_text = feedback.observation
+            self.observation_ids = self.roller.chat.feedback_observation(feedback.observation)
+
+    def trajectory(self, behaviour_version: int, generate_s: float) -> Trajectory:
+        config, steps = self.roller.config, self.steps
+        table = self.compressor.memory()
+        # Slots become visible in creation order, so the ones no step ever saw form a tail:
+        # the episode ended before they left the recent window. They are not sent.
+        used = max((step.memory_count for step in steps), default=0)
+        memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
+        stages = self.compressor.stats()
+        return Trajectory(
+            trajectory_id=Trajectory.make_id(self.task.task_id, self.task.attempt), task_id=self.task.task_id,
+            env=self.task.env, sampler_id=self.roller.sampler_id, behaviour_version=behaviour_version,
+            prompt_ids=self.prompt_ids, steps=steps, memory=memory, temperature=config.policy.temperature,
+            encoder=self.roller.encoder.name, recent_window=config.compression.recent_window,
+            timings={"rollout_s": time.perf_counter() - self.started, "generate_s": generate_s,
+                     "encode_s": stages.encode_seconds, "filter_s": stages.filter_seconds,
+                     "quantize_s": stages.quantize_seconds},
+            compression={**compression_stats(self.prompt_ids, steps, memory), "memory_ratio": stages.ratio,
+                         "kept_steps": float(stages.kept_slots), "merged_steps": float(stages.merged_steps)},
+        )
+
+
+class Roller:
+    """Runs episodes with the current policy; the policy object is swapped in place on reload.
+
+    `rollout_batch` runs several single-trajectory episodes side by side: one batched forward
+    pass per generated token serves all of them (each is still its own trajectory, own env).
+    """
+
+    def __init__(self, config: SaoConfig, env_factory: Callable[[], Env], policy: MemoryPolicy, chat: ChatFormat,
                  encoder: SemanticEncoder, temporal_filter: TemporalFilter, sampler_id: str, seed: int = 0):
         self.config = config
-        self.env = env
+        self.env_factory = env_factory
         self.policy = policy
         self.chat = chat
         self.encoder = encoder
@@ -83,48 +146,42 @@ class Roller:
         self.generator = torch.Generator().manual_seed(seed)
 
     def rollout(self, task: Task, behaviour_version: int, greedy: bool = False) -> Trajectory:
-        policy_cfg, window = self.config.policy, self.config.compression.recent_window
-        started = time.perf_counter()
-        limit = self.config.env.step_timeout_s
-        task_text = call_env("env.reset", self.env.reset, task.spec, timeout_s=limit)
-        prompt_ids = self.chat.prompt(task_text)
-        compressor = OnlineCompressor(self.encoder, self.temporal_filter, recent_window=window)
-        observation_text, observation_ids = task_text, self.chat.first_observation(task_text)
-        finished: list[tuple[np.ndarray, np.ndarray]] = []
-        steps: list[Step] = []
+        """One episode; an env failure raises EnvFailure."""
+        result = self.rollout_batch([task], behaviour_version, greedy)[0]
+        if isinstance(result, EnvFailure):
+            raise result
+        return result
+
+    def rollout_batch(self, tasks: list[Task], behaviour_version: int,
+                      greedy: bool = False) -> list[Trajectory | EnvFailure]:
+        """One trajectory per task, in order; a task whose env failed yields its EnvFailure instead."""
+        policy_cfg = self.config.policy
+        results: list[Trajectory | EnvFailure | None] = [None] * len(tasks)
+        episodes: dict[int, _Episode] = {}
+        for index, task in enumerate(tasks):
+            try:
+                episodes[index] = _Episode(self, task, self.env_factory())
+            except EnvFailure as failure:
+                results[index] = failure
         generate_s = 0.0
-        for _ in range(self.config.env.max_turns):
-            visible = len(compressor.visible_slots())  # always the first `visible` slots
-            step_input = StepInput(prompt_ids, compressor.dequantized(list(range(visible))),
-                                   step_tokens(finished, observation_ids, window), np.zeros(0, np.int32))
+        while episodes:
+            live = list(episodes)
             t0 = time.perf_counter()
-            action_ids, logprobs = self.policy.sample(step_input, policy_cfg.max_new_tokens, policy_cfg.temperature,
-                                                      self.chat.stop_token_ids, self.generator, greedy)
+            samples = self.policy.sample_batch([episodes[i].next_input() for i in live], policy_cfg.max_new_tokens,
+                                               policy_cfg.temperature, self.chat.stop_token_ids, self.generator, greedy)
             generate_s += time.perf_counter() - t0
-            action_text = self.chat.decode(action_ids)
-            feedback = call_env("env.step", self.env.step, action_text, timeout_s=limit)
-            steps.append(Step(observation_ids, action_ids, logprobs, feedback.reward, feedback.done, visible))
-            finished.append((observation_ids, action_ids))
-            if feedback.done:
-                break
-            compressor.finish_step(f"{observation_text}\n{action_text}", feedback.reward)
-            observation_text, observation_ids = feedback.observation, self.chat.feedback_observation(feedback.observation)
-        table = compressor.memory()
-        # Slots become visible in creation order, so the ones no step ever saw form a tail:
-        # the episode ended before they left the recent window. They are not sent.
-        used = max((step.memory_count for step in steps), default=0)
-        memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
-        stages = compressor.stats()
-        return Trajectory(
-            trajectory_id=Trajectory.make_id(task.task_id, task.attempt), task_id=task.task_id, env=task.env,
-            sampler_id=self.sampler_id, behaviour_version=behaviour_version, prompt_ids=prompt_ids, steps=steps,
-            memory=memory, temperature=policy_cfg.temperature, encoder=self.encoder.name, recent_window=window,
-            timings={"rollout_s": time.perf_counter() - started, "generate_s": generate_s,
-                     "encode_s": stages.encode_seconds, "filter_s": stages.filter_seconds,
-                     "quantize_s": stages.quantize_seconds},
-            compression={**compression_stats(prompt_ids, steps, memory), "memory_ratio": stages.ratio,
-                         "kept_steps": float(stages.kept_slots), "merged_steps": float(stages.merged_steps)},
-        )
+            for index, (action_ids, logprobs) in zip(live, samples):
+                episode = episodes[index]
+                try:
+                    episode.advance(action_ids, logprobs)
+                except EnvFailure as failure:
+                    results[index] = failure
+                    del episodes[index]
+                    continue
+                if episode.done:
+                    results[index] = episode.trajectory(behaviour_version, generate_s)
+                    del episodes[index]
+        return results
 
 
 def compression_stats(prompt_ids: np.ndarray, steps: list[Step], memory: Memory) -> dict[str, float]:

@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaException, TopicPartition
 
 from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
@@ -46,7 +46,7 @@ class Sampler:
         self.policy = build_policy(config.policy, encoder.dim).eval()
         chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
-        self.roller = Roller(config, make_env(config.env), self.policy, chat, encoder, temporal_filter, sampler_id, seed)
+        self.roller = Roller(config, lambda: make_env(config.env), self.policy, chat, encoder, temporal_filter, sampler_id, seed)
         self.version = 0
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "reward_sum": 0.0, "tokens": 0,
                          "rollout_s": 0.0, "reload_s": 0.0}
@@ -63,18 +63,22 @@ class Sampler:
         handled = 0
         try:
             while not self.stopping and (max_tasks is None or handled < max_tasks):
-                msg = self.tasks.poll(0.5)
+                want = self.config.sampler.rollout_batch
+                if max_tasks is not None:
+                    want = min(want, max_tasks - handled)
+                messages = self.tasks.consume(num_messages=want, timeout=0.5)
                 self.task_lag.maybe_report()
-                if msg is None:
+                for msg in messages:
+                    if msg.error() is not None:
+                        log.warning("tasks topic: %s", msg.error())
+                messages = [msg for msg in messages if msg.error() is None]
+                if not messages:
                     continue
-                if msg.error() is not None:
-                    log.warning("tasks topic: %s", msg.error())
-                    continue
-                # Between trajectories, right before the next one: a version announced while
-                # this sampler waited for a task is used for that task.
+                # Between trajectories, right before the next ones: a version announced while
+                # this sampler waited for tasks is used for them.
                 self._maybe_reload()
-                self._handle(msg)
-                handled += 1
+                self._handle(messages)
+                handled += len(messages)
                 self._write_status()
         finally:
             self._write_status(finished=True)
@@ -86,32 +90,46 @@ class Sampler:
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
-    def _handle(self, msg) -> None:
-        try:
-            task = decode(msg.value(), Task)
+    def _handle(self, messages: list) -> None:
+        """Roll out one trajectory per task (side by side), produce them, then commit the tasks."""
+        runnable = []
+        for msg in messages:
+            try:
+                task = decode(msg.value(), Task)
+            except SchemaError as err:
+                self._dead_letter(msg, err.reason, str(err))
+                continue
             record_delivery(msg.topic(), task.created_at, len(msg.value()))
-            trajectory = self.roller.rollout(task, self.version)
-        except (SchemaError, EnvFailure) as err:
-            # A malformed task, or an env that raised or hung: this task ends here, the sampler goes on.
-            self.dlq.send(msg.value(), err.reason, source_topic=msg.topic(), partition=msg.partition(),
-                          offset=msg.offset(), key=msg.key(), detail=str(err))
-            self.counters["dead_lettered"] += 1
-        else:
+            runnable.append((msg, task))
+        results = self.roller.rollout_batch([task for _, task in runnable], self.version) if runnable else []
+        for (msg, task), result in zip(runnable, results):
+            if isinstance(result, EnvFailure):
+                # The env raised or hung: this task ends here, the sampler goes on.
+                self._dead_letter(msg, result.reason, str(result))
+                continue
             produce_started = time.perf_counter()
-            deliver_and_wait(self.producer, self.config.topics.trajectories, encode(trajectory), key=task.task_id)
-            record_rollout(trajectory, time.perf_counter() - produce_started)
+            deliver_and_wait(self.producer, self.config.topics.trajectories, encode(result), key=task.task_id)
+            record_rollout(result, time.perf_counter() - produce_started)
             self.counters["produced"] += 1
-            self.counters["reward_sum"] += trajectory.total_reward
-            self.counters["tokens"] += sum(len(s.action_ids) for s in trajectory.steps)
-            self.counters["rollout_s"] += trajectory.timings["rollout_s"]
-        # Only now is the task safely handed on (trajectory acked, or dead letter queued).
+            self.counters["reward_sum"] += result.total_reward
+            self.counters["tokens"] += sum(len(s.action_ids) for s in result.steps)
+            self.counters["rollout_s"] += result.timings["rollout_s"]
+        # Only now are the tasks safely handed on (trajectories acked, or dead letters queued).
         self.dlq.flush(10)
+        last = {}
+        for msg in messages:
+            last[(msg.topic(), msg.partition())] = max(last.get((msg.topic(), msg.partition()), -1), msg.offset())
         try:
-            self.tasks.commit(message=msg, asynchronous=False)
+            self.tasks.commit(offsets=[TopicPartition(t, p, o + 1) for (t, p), o in last.items()], asynchronous=False)
         except KafkaException as err:
-            # The partition moved to another sampler during the rollout (a rebalance): the task
-            # will run again there, and the trainer drops the duplicate by trajectory_id.
-            log.warning("%s could not commit task offset %s: %s", self.sampler_id, msg.offset(), err)
+            # A partition moved to another sampler during the rollouts (a rebalance): those tasks
+            # run again there, and the trainer drops the duplicates by trajectory_id.
+            log.warning("%s could not commit task offsets: %s", self.sampler_id, err)
+
+    def _dead_letter(self, msg, reason: str, detail: str) -> None:
+        self.dlq.send(msg.value(), reason, source_topic=msg.topic(), partition=msg.partition(),
+                      offset=msg.offset(), key=msg.key(), detail=detail)
+        self.counters["dead_lettered"] += 1
 
     def _maybe_reload(self) -> None:
         announcement = self.policy_follower.poll()

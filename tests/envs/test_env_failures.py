@@ -16,7 +16,7 @@ def _roller(tiny_config, chat, encoder, env_name, timeout_s=30.0):
     config = tiny_config.model_copy(deep=True)
     config.env.name, config.env.step_timeout_s, config.policy.max_new_tokens = env_name, timeout_s, 4
     policy = build_policy(config.policy, encoder.dim).eval()
-    return Roller(config, make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s", seed=0), config
+    return Roller(config, lambda: make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s", seed=0), config
 
 
 def test_raising_env_becomes_an_env_error(tiny_config, chat, encoder):

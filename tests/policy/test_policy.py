@@ -68,3 +68,21 @@ def test_weights_round_trip_and_hash_check(policy, tiny_config, tmp_path):
     assert fresh.lm.lm_head.weight.data_ptr() == fresh.lm.get_input_embeddings().weight.data_ptr()  # still tied
     with pytest.raises(WeightsMismatch, match="sha256"):
         read_weights_into(fresh, path, "0" * 64)
+
+
+def test_batched_sampling_is_exactly_rescored_row_by_row(policy):
+    """Left padding and position ids: each row of a batch samples from what it would see alone."""
+    torch.nn.init.normal_(policy.projector.weight, std=0.5)
+    steps = [_step(0), _step(3), _step(1)]
+    steps[1] = StepInput(np.arange(10, 30, dtype=np.int32), steps[1].memory, steps[1].context_ids, steps[1].action_ids)
+    samples = policy.sample_batch(steps, 10, 1.0, stop_token_ids={7, 8, 9}, generator=torch.Generator().manual_seed(0))
+    for step, (action, logprobs) in zip(steps, samples):
+        assert 1 <= len(action) <= 10 and len(action) == len(logprobs)
+        assert all(t not in {7, 8, 9} for t in action[:-1].tolist())  # a row stops at its first stop token
+        scored_batch = collate_steps([StepInput(step.prompt_ids, step.memory, step.context_ids, action)], DIM)
+        with torch.no_grad():
+            scored = policy(scored_batch)[0][scored_batch.action_mask[0]]
+        np.testing.assert_allclose(scored.numpy(), logprobs, atol=1e-4)
+    greedy = policy.sample_batch(steps, 5, 1.0, set(), greedy=True)
+    alone = [policy.sample(step, 5, 1.0, set(), greedy=True)[0].tolist() for step in steps]
+    assert [g[0].tolist() for g in greedy] == alone

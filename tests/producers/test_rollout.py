@@ -16,7 +16,7 @@ from sao.schema import Trajectory, decode, encode
 def make_roller(config, chat, encoder):
     policy = build_policy(config.policy, encoder.dim).eval()
     torch.nn.init.normal_(policy.projector.weight, std=0.05)  # memory must matter for the exactness check
-    return Roller(config, make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-test", seed=3)
+    return Roller(config, lambda: make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-test", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_real_smollm2_rollout_is_rescored_exactly(encoder):
     torch.set_num_threads(1)
     policy = build_policy(config.policy, encoder.dim).eval()
     chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
-    roller = Roller(config, make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-real", seed=0)
+    roller = Roller(config, lambda: make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-real", seed=0)
     trajectory = decode(encode(roller.rollout(make_tasks(config.env, 1)[0], 0)), Trajectory)
     assert policy.lm.config.vocab_size == 49152 and sum(p.numel() for p in policy.lm.parameters()) > 100e6
     assert all(len(s.action_ids) <= 12 for s in trajectory.steps)
@@ -104,7 +104,13 @@ def test_sampler_dead_letters_a_failing_env_and_goes_on(kafka_bootstrap, unique_
                                     config.topics.dlq: 1})
     feed_tasks(config, kafka_bootstrap, 2)
     sampler = Sampler(config, kafka_bootstrap, "s-hostile", tmp_path / "status.json")
-    sampler.roller.env = _FailOnce(sampler.roller.env)  # the first episode's grader crashes
+    created = []
+
+    def env_factory():  # the first episode's grader crashes, the second one works
+        created.append(make_env(config.env))
+        return _FailOnce(created[-1]) if len(created) == 1 else created[-1]
+
+    sampler.roller.env_factory = env_factory
     counters = sampler.run(max_tasks=2)
     assert counters["dead_lettered"] == 1 and counters["produced"] == 1
     dead = [describe_dlq_message(m) for m in read_all(kafka_bootstrap, config.topics.dlq)]
