@@ -43,6 +43,9 @@ class EnvConfig(Section):
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
                                  "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False},
         description="Keyword arguments of reasoning_gym.create_dataset (difficulty knobs).")
+    answer_format: Literal["last_number", "last_line"] = Field(
+        "last_number", description="arithmetic env: what of the reply is scored - its last number, or its last "
+                                   "non-empty line (for reasoning-gym datasets whose answers are words or lists).")
     max_turns: int = Field(2, ge=1, description="Attempts per task: a wrong answer gets feedback and another try.")
     retry_discount: float = Field(
         0.5, gt=0, le=1, description="Reward of a right answer at attempt k (0-based) is score * discount**k.")

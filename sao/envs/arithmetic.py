@@ -1,4 +1,8 @@
-"""Multi-turn arithmetic from reasoning-gym: a wrong answer gets feedback and another try."""
+"""Multi-turn reasoning-gym tasks (arithmetic by default): a wrong answer gets feedback and another try.
+
+Any reasoning-gym dataset works by name (`env.dataset`); `env.answer_format` says what part of
+the reply is scored: its last number (numeric datasets) or its last line (words, lists).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +30,12 @@ def _options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
 
 
+def last_line(text: str) -> str | None:
+    """The answer is the last non-empty line of the completion (words, lists, expressions)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 def last_number(text: str) -> str | None:
     """The answer is the last number in the completion (a model may reason before it)."""
     found = _NUMBER.findall(text)
@@ -39,7 +49,8 @@ class ArithmeticEnv:
 
     @classmethod
     def from_config(cls, config: EnvConfig) -> ArithmeticEnv:
-        return cls(max_turns=config.max_turns, retry_discount=config.retry_discount)
+        return cls(max_turns=config.max_turns, retry_discount=config.retry_discount,
+                   answer_format=config.answer_format)
 
     @classmethod
     def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]:
@@ -55,7 +66,8 @@ class ArithmeticEnv:
         return [Task(task_id=f"{split}/{config.dataset}/{seed}/{index}", env=cls.name, spec={**spec, "index": index})
                 for index in range(start_index, size)]
 
-    def __init__(self, max_turns: int = 3, retry_discount: float = 0.5):
+    def __init__(self, max_turns: int = 3, retry_discount: float = 0.5, answer_format: str = "last_number"):
+        self.extract = {"last_number": last_number, "last_line": last_line}[answer_format]
         self.max_turns = max_turns
         self.retry_discount = retry_discount
         self._entry: dict[str, Any] | None = None
@@ -71,7 +83,7 @@ class ArithmeticEnv:
     def step(self, action: str) -> Feedback:
         if self._entry is None:
             raise RuntimeError("step() before reset()")
-        answer = last_number(action)
+        answer = self.extract(action)
         score = float(self._dataset.score_answer(answer, self._entry)) if answer is not None else 0.0
         attempt, self._turn = self._turn, self._turn + 1
         info = {"answer": answer, "score": score, "attempt": attempt}
@@ -79,5 +91,6 @@ class ArithmeticEnv:
             return Feedback("Correct.", score * self.retry_discount ** attempt, True, info)
         if self._turn >= self.max_turns:
             return Feedback("Incorrect.", 0.0, True, info)
-        hint = "That is not a number." if answer is None else f"{answer} is incorrect."
+        missing = "That is not a number." if self.extract is last_number else "That is not an answer."
+        hint = missing if answer is None else f"{answer} is incorrect."
         return Feedback(f"{hint} Try again: reply with only the final answer.", 0.0, False, info)

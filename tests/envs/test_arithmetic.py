@@ -55,3 +55,18 @@ def test_registry_loads_builtins_and_import_paths_and_names_bad_ones():
     for bad in ("nope", "sao.envs.arithmetic:Missing", "no_such_module_xyz:Env"):
         with pytest.raises(UnknownEnv, match="env.name"):
             env_class(bad)
+
+
+def test_any_reasoning_gym_dataset_with_last_line_answers():
+    from sao.envs.arithmetic import last_line
+
+    assert last_line("thinking...\n\n  noremopyh  \n") == "noremopyh" and last_line("  \n") is None
+    config = EnvConfig(dataset="spell_backward", dataset_options={}, answer_format="last_line", max_turns=2)
+    task = make_tasks(config, 1)[0]
+    env = make_env(config)
+    question = env.reset(task.spec)
+    assert "backward" in question
+    word = question.rsplit(":", 1)[1].strip()
+    assert not env.step("I am not sure.").done  # wrong: feedback and another try
+    feedback = env.step(f"Reversed:\n{word[::-1]}")
+    assert feedback.done and feedback.reward == pytest.approx(0.5)  # right at the second attempt
