@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from sao.schema import Trajectory, encode
+from sao.schema import Step, Trajectory, encode
 
 TOKEN_BYTES = 4  # token ids travel as int32
 STAGES = ("naive", "semantic", "temporal", "int8")
@@ -72,6 +72,15 @@ def trajectory_context_costs(trajectory: Trajectory) -> dict[str, ContextCost]:
     )
 
 
+def naive_context_tokens(prompt_tokens: int, steps: Sequence[Step]) -> int:
+    """Tokens a trainer without compression would be sent: every step's full history, again."""
+    total, history = 0, prompt_tokens
+    for step in steps:
+        history += len(step.observation_ids) + len(step.action_ids)
+        total += history
+    return total
+
+
 def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
     """Bytes of one trajectory's context in each representation.
 
@@ -84,11 +93,8 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
                  each step's context exactly as the policy saw it;
     message      the whole msgpack message (also behaviour log-probs, ids, timings, framing).
     """
-    history = len(trajectory.prompt_ids)
-    naive = 0
-    for step in trajectory.steps:
-        history += len(step.observation_ids) + len(step.action_ids)
-        naive += history
+    history = len(trajectory.prompt_ids) + sum(len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps)
+    naive = naive_context_tokens(len(trajectory.prompt_ids), trajectory.steps)
     memory = trajectory.memory
     memory_bytes = memory.vectors.nbytes + memory.scales.nbytes + memory.spans.nbytes + memory.reward_sums.nbytes
     slot_refs = 4 * len(trajectory.steps)

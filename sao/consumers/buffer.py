@@ -67,12 +67,17 @@ class ReplayBuffer:
                 del self.shards[entry.partition][entry.offset]
         return chosen
 
-    def take_groups(self, groups: int, group_size: int) -> list[BufferEntry]:
-        """Whole groups (all `group_size` attempts of a task), in the order groups completed."""
+    def take_groups(self, groups: int, group_size: int, allow_fewer: bool = False) -> list[BufferEntry]:
+        """`groups` whole groups (all `group_size` attempts of a task), in the order groups completed.
+
+        Takes nothing unless that many groups are complete, or `allow_fewer` is set.
+        """
         by_task: dict[str, list[BufferEntry]] = {}
         for entry in self.entries():
             by_task.setdefault(entry.trajectory.task_id, []).append(entry)
         complete = [members for members in by_task.values() if len(members) >= group_size][:groups]
+        if len(complete) < groups and not allow_fewer:
+            return []
         chosen = [entry for members in complete for entry in members[:group_size]]
         for entry in chosen:
             del self.shards[entry.partition][entry.offset]

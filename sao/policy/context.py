@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sao.schema import Step, Trajectory
+from sao.schema import Trajectory
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,3 @@ def training_inputs(trajectory: Trajectory) -> list[StepInput]:
         finished.append((step.observation_ids, step.action_ids))
     return inputs
 
-
-def naive_context_tokens(trajectory_prompt_len: int, steps: list[Step]) -> int:
-    """Tokens a trainer without compression would be sent: every step's full history, again."""
-    total, history = 0, trajectory_prompt_len
-    for step in steps:
-        total += history + len(step.observation_ids) + len(step.action_ids)
-        history += len(step.observation_ids) + len(step.action_ids)
-    return total

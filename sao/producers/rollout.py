@@ -15,7 +15,8 @@ from sao.compression.temporal import TemporalFilter
 from sao.config import SaoConfig
 from sao.envs.base import Env
 from sao.envs.guard import EnvFailure, call_env
-from sao.policy.context import StepInput, naive_context_tokens, step_tokens
+from sao.compression.accounting import naive_context_tokens
+from sao.policy.context import StepInput, step_tokens
 from sao.policy.model import MemoryPolicy
 from sao.schema import Memory, Step, Task, Trajectory
 

@@ -35,6 +35,7 @@ from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
 
+
 class Sampler:
     def __init__(self, config: SaoConfig, bootstrap: str, sampler_id: str, status_path: Path | None = None):
         torch.set_num_threads(config.sampler.torch_threads)
@@ -46,7 +47,8 @@ class Sampler:
         self.policy = build_policy(config.policy, encoder.dim).eval()
         chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
-        self.roller = Roller(config, lambda: make_env(config.env), self.policy, chat, encoder, temporal_filter, sampler_id, seed)
+        self.roller = Roller(config, lambda: make_env(config.env), self.policy, chat, encoder, temporal_filter,
+                             sampler_id, seed)
         self.version = 0
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "reward_sum": 0.0, "tokens": 0,
                          "rollout_s": 0.0, "reload_s": 0.0}

@@ -77,7 +77,6 @@ class Trainer:
         self.evaluations: list[subprocess.Popen] = []
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
-        self.phase_s = {"wait": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "publish": 0.0}
         if self.is_leader:
             metrics.record_trainer_start(max_staleness=config.trainer.max_staleness,
                                          policy_version=self.state.policy_version)
@@ -171,13 +170,11 @@ class Trainer:
     def _take(self, all_arrived: bool) -> list[BufferEntry]:
         cfg = self.config.trainer
         if cfg.algorithm == "grpo":
-            groups = self.batch_size // cfg.group_size
-            entries = self.buffer.take_groups(groups, cfg.group_size)
-            if len(entries) == groups * cfg.group_size or (all_arrived and entries):
+            entries = self.buffer.take_groups(self.batch_size // cfg.group_size, cfg.group_size, allow_fewer=all_arrived)
+            if entries or not all_arrived:
                 return entries
-            for entry in entries:  # not a full batch yet: put the groups back
-                self.buffer.add(entry)
-            return self.buffer.take_groups(len(self.buffer), 1) if all_arrived and len(self.buffer) else []
+            # Everything arrived, yet no group is whole (a member was dead-lettered): train the rest.
+            return self.buffer.take_groups(len(self.buffer), 1, allow_fewer=True)
         if len(self.buffer) >= self.batch_size or (all_arrived and len(self.buffer)):
             return self.buffer.take(self.batch_size, self.state.policy_version, self._advantage_of)
         return []

@@ -2,8 +2,7 @@
 
 import numpy as np
 
-from sao.compression.accounting import context_costs, trajectory_bytes, trajectory_context_costs
-from sao.policy.context import naive_context_tokens
+from sao.compression.accounting import context_costs, naive_context_tokens, trajectory_bytes, trajectory_context_costs
 from sao.schema import Memory, Step, Trajectory, encode
 
 
