@@ -372,10 +372,12 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    from sao.envs.registry import GenerationSettings
     from sao.policy.loading import load_tokenizer
     from sao.producers.rollout import ChatFormat
 
-    chat = ChatFormat(load_tokenizer("smollm2-135m-instruct", "~/.cache/sao/models"), SYSTEM_PROMPT)
+    settings = GenerationSettings(SYSTEM_PROMPT, max_new_tokens=16, temperature=1.0, top_p=1.0, stop=())
+    chat = ChatFormat(load_tokenizer("smollm2-135m-instruct", "~/.cache/sao/models"), settings)
     encoder = load_encoder(args.encoder)
     temporal_filter = load_temporal_filter(args.temporal_weights)
     long_episodes, short_episodes = record(args)

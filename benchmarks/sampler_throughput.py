@@ -1,23 +1,43 @@
-"""Sampler rollout throughput: side-by-side episodes (sampler.rollout_batch) vs one at a time, in one run.
+"""Sampler rollout throughput: side-by-side episodes vs one at a time, and 1 vs 2 sampler processes.
 
     python benchmarks/sampler_throughput.py [--tasks 16] [--batch 4] [--model smollm2-135m-instruct] [--json PATH]
 
-Both configurations roll out the same tasks with the same policy, encoder and filter on one
-torch thread (what a sampler process gets on a 2-core machine), through `Roller.rollout_batch`,
-the code path `sao sampler` runs. Kafka is left out: producing a trajectory takes ~1 ms.
-Prints trajectories/s and generated tokens/s for each, and the ratio batched / one at a time.
+Part 1, in this process: the same tasks rolled out one at a time (rollout_batch 1) and side by
+side (rollout_batch = --batch). Part 2: one, then two sampler processes, each rolling out --tasks
+tasks of its own at --batch; they load their models first and start together at a barrier, so
+start-up is not timed. Every process uses one torch thread (what a sampler gets on a 2-core
+machine) and `Roller.rollout_batch`, the code path `sao sampler` runs; Kafka is left out
+(producing a trajectory takes ~1 ms). Prints trajectories/s and generated tokens/s per process
+and in total, with the ratios against the baseline measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _roller(model: str, seed: int):
+    import torch
+
+    from sao.compression.semantic import load_encoder
+    from sao.compression.temporal import load_temporal_filter
+    from sao.config import load_config
+    from sao.policy.weights import build_policy, place_for_sampling
+    from sao.producers.rollout import Roller
+
+    torch.set_num_threads(1)
+    config = load_config(overrides=[f'policy.model="{model}"'], environ={})
+    encoder = load_encoder(config.compression.encoder)
+    policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
+    return Roller(config, policy, encoder, load_temporal_filter(), f"bench-{seed}", seed=seed), config
 
 
 def measure(roller, tasks, batch: int) -> dict:
@@ -32,6 +52,32 @@ def measure(roller, tasks, batch: int) -> dict:
             "mean_reward": sum(t.total_reward for t in trajectories) / len(trajectories)}
 
 
+def _sampler_process(index: int, model: str, num_tasks: int, batch: int, barrier, results) -> None:
+    from sao.envs.registry import make_tasks
+
+    roller, config = _roller(model, seed=index)
+    tasks = make_tasks(config.env, num_tasks, start_index=index * num_tasks)  # each process its own tasks
+    barrier.wait()
+    results.put({"process": index, **measure(roller, tasks, batch)})
+
+
+def processes(count: int, model: str, num_tasks: int, batch: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(count), context.Queue()
+    workers = [context.Process(target=_sampler_process, args=(i, model, num_tasks, batch, barrier, results))
+               for i in range(count)]
+    for worker in workers:
+        worker.start()
+    per_process = sorted((results.get() for _ in workers), key=lambda r: r["process"])
+    for worker in workers:
+        worker.join()
+    # Together: all trajectories over the wall time of the slowest process.
+    wall = max(r["seconds"] for r in per_process)
+    return {"processes": count, "per_process": per_process,
+            "total_trajectories_per_s": sum(r["trajectories"] for r in per_process) / wall,
+            "total_tokens_per_s": sum(r["tokens"] for r in per_process) / wall}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=16)
@@ -40,46 +86,53 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    import torch
     from rich.console import Console
     from rich.table import Table
 
-    from sao.compression.semantic import load_encoder
-    from sao.compression.temporal import load_temporal_filter
-    from sao.config import load_config
-    from sao.envs.registry import make_env, make_tasks
-    from sao.policy.loading import load_tokenizer
-    from sao.policy.weights import build_policy
-    from sao.producers.rollout import ChatFormat, Roller
+    from sao.envs.registry import make_tasks
 
-    torch.set_num_threads(1)
-    config = load_config(overrides=[f'policy.model="{args.model}"'], environ={})
-    encoder = load_encoder(config.compression.encoder)
-    policy = build_policy(config.policy, encoder.dim).eval()
-    chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
+    console = Console()
+    roller, config = _roller(args.model, seed=0)
     tasks = make_tasks(config.env, args.tasks)
-    results = []
-    for batch in (1, args.batch):
-        roller = Roller(config, lambda: make_env(config.env), policy, chat, encoder, load_temporal_filter(),
-                        "bench", seed=0)
-        results.append(measure(roller, tasks, batch))
-    baseline, batched = results
-    table = Table(title=f"sampler throughput, {args.model}, {args.tasks} tasks, 1 torch thread")
+    in_process = [measure(roller, tasks, batch) for batch in (1, args.batch)]
+    scaling = [processes(count, args.model, args.tasks, args.batch) for count in (1, 2)]
+
+    table = Table(title=f"one sampler, {args.model}, {args.tasks} tasks, 1 torch thread")
     for column in ("rollout_batch", "trajectories/s", "tokens/s", "seconds", "mean reward"):
         table.add_column(column, justify="right")
-    for r in results:
+    for r in in_process:
         table.add_row(str(r["batch"]), f"{r['trajectories_per_s']:.3f}", f"{r['tokens_per_s']:.1f}",
                       f"{r['seconds']:.1f}", f"{r['mean_reward']:.3f}")
-    Console().print(table)
-    ratio = batched["trajectories_per_s"] / baseline["trajectories_per_s"]
-    print(f"batched / one at a time: {ratio:.2f}x trajectories/s, "
-          f"{batched['tokens_per_s'] / baseline['tokens_per_s']:.2f}x tokens/s")
+    console.print(table)
+    table = Table(title=f"sampler processes, rollout_batch {args.batch}, {args.tasks} tasks each, 1 torch thread each")
+    for column in ("processes", "process", "trajectories/s", "tokens/s", "seconds"):
+        table.add_column(column, justify="right")
+    for run in scaling:
+        for r in run["per_process"]:
+            table.add_row(str(run["processes"]), str(r["process"]), f"{r['trajectories_per_s']:.3f}",
+                          f"{r['tokens_per_s']:.1f}", f"{r['seconds']:.1f}")
+        table.add_row(str(run["processes"]), "total", f"{run['total_trajectories_per_s']:.3f}",
+                      f"{run['total_tokens_per_s']:.1f}", "", end_section=True)
+    console.print(table)
+
+    baseline, batched = in_process
+    batching = batched["trajectories_per_s"] / baseline["trajectories_per_s"]
+    one, two = scaling
+    scale = two["total_trajectories_per_s"] / one["total_trajectories_per_s"]
+    per_process = (sum(r["trajectories_per_s"] for r in two["per_process"]) / 2
+                   / one["per_process"][0]["trajectories_per_s"])
+    console.print(f"batched / one at a time: {batching:.2f}x trajectories/s, "
+                  f"{batched['tokens_per_s'] / baseline['tokens_per_s']:.2f}x tokens/s")
+    console.print(f"2 samplers / 1 sampler: {scale:.2f}x trajectories/s in total, "
+                  f"{per_process:.2f}x per process ({os.cpu_count()} cores)")
     if args.json:
         args.json.write_text(json.dumps({
             "headline": {"metric": "sampler trajectories per second", "unit": "trajectories/s",
                          "value": batched["trajectories_per_s"], "baseline": baseline["trajectories_per_s"],
-                         "ratio": ratio},
-            "results": results, "model": args.model}, indent=2))
+                         "ratio": batching},
+            "scaling": {"metric": "trajectories per second, 2 sampler processes vs 1", "ratio": scale,
+                        "per_process_ratio": per_process, "runs": scaling},
+            "results": in_process, "model": args.model, "cores": os.cpu_count()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
         run_dir: RunDirOpt = None,
         num_tasks: Annotated[Optional[int], typer.Option(help="run.num_tasks")] = None,
         samplers: Annotated[Optional[int], typer.Option(help="sampler.num_samplers")] = None,
-        model: Annotated[Optional[str], typer.Option(help="policy.model")] = None,
+        model: Annotated[Optional[str], typer.Option("--policy-model", "--model",
+                                                     help="policy.model: smollm2-135m-instruct, tiny or an HF model path")] = None,
         env: Annotated[Optional[str], typer.Option(help="env.name: a built-in or package.module:Class")] = None,
         bootstrap_servers: BootstrapOpt = None, metrics_port: MetricsPortOpt = None) -> None:
     """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""

@@ -36,6 +36,18 @@ class TopicsConfig(Section):
     trajectory_partitions: int = Field(4, ge=1, description="Partitions of the trajectories topic.")
 
 
+class SandboxConfig(Section):
+    """Limits of the subprocess that runs generated code (the humaneval env's unit tests)."""
+
+    cpu_time_s: float = Field(5.0, gt=0, description="CPU seconds the program may use (RLIMIT_CPU), children included.")
+    wall_time_s: float = Field(10.0, gt=0, description="Wall-clock seconds before the program and all it spawned are killed.")
+    memory_mb: int = Field(512, ge=64, description="Address space per process, MiB (RLIMIT_AS).")
+    max_processes: int = Field(16, ge=1, description="Processes the program may have at once (RLIMIT_NPROC of its own uid).")
+    max_file_mb: int = Field(16, ge=1, description="Largest file the program may write, MiB (RLIMIT_FSIZE); its scratch "
+                                                   "directory is a private tmpfs of this size.")
+    output_chars: int = Field(2000, ge=100, description="stdout/stderr kept from the program (its tail).")
+
+
 class EnvConfig(Section):
     name: str = Field("arithmetic", description="Built-in env name, or `package.module:Class` of your own (see sao/envs/registry.py).")
     dataset: str = Field("basic_arithmetic", description="reasoning-gym dataset the tasks come from.")
@@ -56,6 +68,7 @@ class EnvConfig(Section):
         default_factory=dict,
         description="Env-specific options of a non-reasoning-gym env, e.g. textworld's size, gems, locked_doors, "
                     "distractors, loops, max_steps (see sao/envs/textworld.py).")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits of generated code runs (humaneval).")
 
 
 class PolicyConfig(Section):
@@ -63,11 +76,18 @@ class PolicyConfig(Section):
         "smollm2-135m-instruct",
         description="`smollm2-135m-instruct` (packaged, converted once to a cached safetensors folder), "
                     "`tiny` (random 2-layer Llama with the SmolLM2 tokenizer, for tests) or any HF model path.")
-    system_prompt: str = Field(
-        "You are a calculator. Reply with only the final answer as a single number.",
-        description="System message of every episode.")
+    system_prompt: str | None = Field(
+        None, description="System message of every episode; unset = the env's own (e.g. arithmetic: 'You are a "
+                          "calculator...').")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer recomputes log-probs under it.")
-    max_new_tokens: int = Field(24, ge=1, description="Tokens per action at most.")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: draw from the smallest set of tokens holding this much "
+                                     "probability. Behaviour log-probs are those of that truncated distribution, so "
+                                     "below 1 the importance ratio pi/mu is honestly < 1 even on-policy.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Tokens per action at most; unset = the env's own (arithmetic 24).")
+    stop: list[str] | None = Field(
+        None, description="Stop strings: an action ends with the token that completes one of them (it is kept); "
+                          "unset = the env's own (usually none). End-of-turn tokens always stop.")
     seed: int = Field(0, description="Seed of the memory projector's initialisation (identical in samplers and trainer).")
     cache_dir: str = Field("~/.cache/sao/models", description="Where converted models are cached.")
 
@@ -85,6 +105,9 @@ class CompressionConfig(Section):
 class SamplerConfig(Section):
     num_samplers: int = Field(2, ge=1, description="Sampler processes `sao run` starts.")
     torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
+                            "CPU in fp32 (bf16 matmuls are ~20x slower on CPU). Published fp32 weights are cast on load.")
     rollout_batch: int = Field(
         4, ge=1, description="Tasks a sampler rolls out side by side (one batched forward per token); each is "
                              "still one trajectory with its own env.")

@@ -16,10 +16,9 @@ import torch
 from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
-from sao.envs.registry import make_env, make_tasks
-from sao.policy.loading import load_tokenizer
-from sao.policy.weights import build_policy, read_weights_into
-from sao.producers.rollout import ChatFormat, Roller
+from sao.envs.registry import make_tasks
+from sao.policy.weights import build_policy, place_for_sampling, read_weights_into
+from sao.producers.rollout import Roller
 
 
 def weights_of(run_dir: Path, version: int) -> tuple[Path, str]:
@@ -36,13 +35,11 @@ def weights_of(run_dir: Path, version: int) -> tuple[Path, str]:
 def evaluate(config: SaoConfig, run_dir: Path, version: int, num_tasks: int, greedy: bool = True) -> dict:
     torch.set_num_threads(config.sampler.torch_threads)
     encoder = load_encoder(config.compression.encoder)
-    policy = build_policy(config.policy, encoder.dim).eval()
+    policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
     if version > 0:
         read_weights_into(policy, *weights_of(run_dir, version))
-    chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
-    roller = Roller(config, lambda: make_env(config.env), policy, chat, encoder,
-                    load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold),
-                    sampler_id=f"eval-v{version}", seed=0)
+    temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
+    roller = Roller(config, policy, encoder, temporal_filter, sampler_id=f"eval-v{version}", seed=0)
     started = time.perf_counter()
     rewards, first_try = [], []
     for task in make_tasks(config.env, num_tasks, split="eval"):

@@ -203,6 +203,7 @@ class Trajectory:
     created_at: float = field(default_factory=time.time)
     timings: dict[str, float] = field(default_factory=dict)
     compression: dict[str, float] = field(default_factory=dict)
+    top_p: float = 1.0  # nucleus the behaviour log-probs were truncated to (1 = none); absent on the wire = 1
 
     @staticmethod
     def make_id(task_id: str, attempt: int) -> str:
@@ -221,6 +222,7 @@ class Trajectory:
             "steps": [step.to_wire() for step in self.steps], "memory": self.memory.to_wire(),
             "temperature": float(self.temperature), "encoder": self.encoder, "recent_window": self.recent_window,
             "created_at": self.created_at, "timings": dict(self.timings), "compression": dict(self.compression),
+            "top_p": float(self.top_p),
         }
 
     @classmethod
@@ -234,6 +236,8 @@ class Trajectory:
                      f"{step.memory_count} is outside the memory table of {len(memory.vectors)} slots")
         temperature = float(_get(obj, "temperature", (int, float)))
         _require(temperature > 0, "temperature", "must be > 0")
+        top_p = float(_get(obj, "top_p", (int, float))) if "top_p" in obj else 1.0
+        _require(0 < top_p <= 1, "top_p", "must be in (0, 1]")
         version = _get(obj, "behaviour_version", int)
         _require(version >= 0, "behaviour_version", "must be >= 0")
         return cls(
@@ -242,7 +246,7 @@ class Trajectory:
             prompt_ids=unpack_array(obj.get("prompt_ids"), "prompt_ids", np.int32, 1), steps=steps,
             memory=memory, temperature=temperature, encoder=_get(obj, "encoder", str),
             recent_window=_get(obj, "recent_window", int), created_at=float(_get(obj, "created_at", (int, float))),
-            timings=dict(_get(obj, "timings", dict)), compression=dict(_get(obj, "compression", dict)),
+            timings=dict(_get(obj, "timings", dict)), compression=dict(_get(obj, "compression", dict)), top_p=top_p,
         )
 
 

@@ -41,7 +41,8 @@ def encoder():
 
 @pytest.fixture(scope="session")
 def chat(tiny_config):
+    from sao.envs.registry import generation_settings
     from sao.policy.loading import load_tokenizer
     from sao.producers.rollout import ChatFormat
 
-    return ChatFormat(load_tokenizer("tiny", tiny_config.policy.cache_dir), tiny_config.policy.system_prompt)
+    return ChatFormat(load_tokenizer("tiny", tiny_config.policy.cache_dir), generation_settings(tiny_config))

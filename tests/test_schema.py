@@ -68,6 +68,8 @@ def _mutate(mutation) -> bytes:
     (lambda o: o.update(behaviour_version="3"), "invalid-field", "behaviour_version"),
     (lambda o: o.update(behaviour_version=-1), "invalid-field", "behaviour_version"),
     (lambda o: o.update(temperature=0), "invalid-field", "temperature"),
+    (lambda o: o.update(top_p=1.5), "invalid-field", "top_p"),
+    (lambda o: o.update(top_p="0.9"), "invalid-field", "top_p"),
     (lambda o: o.update(steps=[]), "invalid-field", "steps"),
     (lambda o: o["steps"][0].update(behaviour_logprobs=pack_array(np.array([-1.0], np.float32), np.float32)),
      "invalid-field", "steps[0].behaviour_logprobs"),
@@ -84,6 +86,11 @@ def test_bad_trajectories_are_rejected_naming_the_field(mutation, reason, field)
         decode(_mutate(mutation), Trajectory)
     assert err.value.reason == reason
     assert err.value.field == field
+
+
+def test_top_p_is_optional_on_the_wire():
+    assert decode(_mutate(lambda o: o.pop("top_p")), Trajectory).top_p == 1.0
+    assert decode(_mutate(lambda o: o.update(top_p=0.9)), Trajectory).top_p == 0.9
 
 
 @pytest.mark.parametrize("data", [b"", b"\xc1", b"not msgpack at all \xff\xff", msgpack.packb([1, 2]), None])

@@ -205,7 +205,7 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
     steps = []
     for index, step in enumerate(episode.steps):
         observation_ids = (chat.first_observation(step.observation) if index == 0
-                           else chat.feedback_observation(step.observation))
+                           else chat.feedback_observation(step.observation, steps[-1].action_ids))
         action_ids = np.asarray(chat.tokenizer(step.action, add_special_tokens=False)["input_ids"] + end_of_turn,
                                 dtype=np.int32)
         visible = len(visible_slots_at(table.created_at_step, index, recent_window))

@@ -13,7 +13,7 @@ from typing import Any
 import reasoning_gym
 
 from sao.config import EnvConfig
-from sao.envs.base import Feedback
+from sao.envs.base import Feedback, GenerationDefaults
 from sao.schema import Task
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: a seed no training run uses by default
@@ -46,6 +46,8 @@ class ArithmeticEnv:
     """Up to `max_turns` attempts; a right answer at attempt k earns score * retry_discount**k."""
 
     name = "arithmetic"
+    generation_defaults = GenerationDefaults(
+        system_prompt="You are a calculator. Reply with only the final answer as a single number.", max_new_tokens=24)
 
     @classmethod
     def from_config(cls, config: EnvConfig) -> ArithmeticEnv:

@@ -16,8 +16,20 @@ class Feedback:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What an env suggests to the policy; any `policy.*` knob the user sets wins."""
+
+    system_prompt: str = "You are a helpful assistant."
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+
+
 class Env(Protocol):
-    """One episode at a time. `reset` returns the task prompt (kept in every step's context)."""
+    """One episode at a time. `reset` returns the task prompt (kept in every step's context).
+
+    An env class may set `generation_defaults = GenerationDefaults(...)` (see the registry).
+    """
 
     name: str
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import importlib
 import re
+from dataclasses import dataclass
 
-from sao.config import EnvConfig
-from sao.envs.base import Env
+from sao.config import EnvConfig, SaoConfig
+from sao.envs.base import Env, GenerationDefaults
 from sao.schema import Task
 
 BUILTIN_ENVS = {
     "arithmetic": "sao.envs.arithmetic:ArithmeticEnv",
+    "humaneval": "sao.envs.humaneval:HumanEvalEnv",
     "textworld": "sao.envs.textworld:TextWorldEnv",
 }
 
@@ -52,3 +54,24 @@ def make_tasks(config: EnvConfig, count: int, start_index: int = 0, split: str =
     if split == "train":
         return env_class(config.name).make_tasks(config, count, start_index)
     return env_class(config.name).make_tasks(config, count, start_index, split=split)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How the policy generates actions: `policy.*` where set, else the env's defaults."""
+
+    system_prompt: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+
+
+def generation_settings(config: SaoConfig) -> GenerationSettings:
+    defaults = getattr(env_class(config.env.name), "generation_defaults", GenerationDefaults())
+    policy = config.policy
+    return GenerationSettings(
+        system_prompt=policy.system_prompt if policy.system_prompt is not None else defaults.system_prompt,
+        max_new_tokens=policy.max_new_tokens if policy.max_new_tokens is not None else defaults.max_new_tokens,
+        temperature=policy.temperature, top_p=policy.top_p,
+        stop=tuple(policy.stop) if policy.stop is not None else tuple(defaults.stop))

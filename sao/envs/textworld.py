@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sao.config import EnvConfig
-from sao.envs.base import Feedback
+from sao.envs.base import Feedback, GenerationDefaults
 from sao.schema import Task
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,8 @@ class TextWorldEnv:
     """Deliver every gem to the altar within `max_steps` actions; each delivery earns 1/gems."""
 
     name = "textworld"
+    generation_defaults = GenerationDefaults(
+        system_prompt="You are exploring a text adventure. Reply with exactly one command.", max_new_tokens=16)
 
     @classmethod
     def from_config(cls, config: EnvConfig) -> TextWorldEnv:

