@@ -197,6 +197,14 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _gain_stderr(first: list[float], last: list[float]) -> float | None:
+    """Standard error of mean(last) - mean(first), the windows taken as independent samples."""
+    if len(first) < 2 or len(last) < 2:
+        return None
+    variance = [sum((x - _mean(w)) ** 2 for x in w) / (len(w) - 1) / len(w) for w in (first, last)]
+    return sum(variance) ** 0.5
+
+
 def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
     samplers = read_all_status(run_dir / "status", "sampler-")
     trainer = read_status(run_dir / "status" / "trainer.json")
@@ -218,6 +226,8 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "reward_first_window": _mean(rewards[:window]),
         "reward_last_window": _mean(rewards[-window:]),
         "reward_window_size": window,
+        "reward_gain": None if not rewards else _mean(rewards[-window:]) - _mean(rewards[:window]),
+        "reward_gain_stderr": _gain_stderr(rewards[:window], rewards[-window:]),
         "compression_ratio": _mean(history.get("compression_ratio", [])),
         "importance_ratio_mean": _mean(history.get("ratio_mean", [])),
         "importance_ratio_abs_dev_mean": _mean(history.get("ratio_abs_dev", [])),

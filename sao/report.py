@@ -206,7 +206,9 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         "![reward](plots/reward.png)",
         "",
         f"Mean reward of the first {_fmt(summary.get('reward_window_size'))} trajectories trained: "
-        f"{_fmt(summary.get('reward_first_window'))}; of the last ones: {_fmt(summary.get('reward_last_window'))}.",
+        f"{_fmt(summary.get('reward_first_window'))}; of the last ones: {_fmt(summary.get('reward_last_window'))} "
+        f"(gain {_fmt(summary.get('reward_gain'))} ± {_fmt(summary.get('reward_gain_stderr'))} standard error; "
+        "one run is one sample - compare seeds before trusting a gain of under two standard errors).",
         "",
         "## Throughput",
         "",

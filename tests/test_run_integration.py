@@ -38,6 +38,8 @@ def test_sao_run_trains_through_kafka(tmp_path):
     # memory to pay for itself (one INT8 slot is 388 bytes), so no bound above 1 is claimed here.
     assert 0 < summary["compression_ratio"] < 100
     assert summary["reward_first_window"] is not None and summary["reward_last_window"] is not None
+    gain = summary["reward_last_window"] - summary["reward_first_window"]
+    assert abs(summary["reward_gain"] - gain) < 1e-9 and summary["reward_gain_stderr"] >= 0
     # A clean stop leaves a resumable checkpoint and the published weights.
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert list((run_dir / "policy").glob("policy-v*.safetensors"))
