@@ -39,7 +39,7 @@ class TopicsConfig(Section):
 class SandboxConfig(Section):
     """Limits of the subprocess that runs generated code (the humaneval env's unit tests)."""
 
-    cpu_time_s: float = Field(5.0, gt=0, description="CPU seconds the program may use (RLIMIT_CPU), children included.")
+    cpu_time_s: float = Field(5.0, gt=0, description="CPU seconds each process of the program may use (RLIMIT_CPU is per process; wall_time_s bounds them all).")
     wall_time_s: float = Field(10.0, gt=0, description="Wall-clock seconds before the program and all it spawned are killed.")
     memory_mb: int = Field(512, ge=64, description="Address space per process, MiB (RLIMIT_AS).")
     max_processes: int = Field(16, ge=1, description="Processes the program may have at once (RLIMIT_NPROC of its own uid).")

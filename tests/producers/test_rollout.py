@@ -169,3 +169,22 @@ class _FailOnce:
             self.failed = True
             raise RuntimeError("grader crashed once")
         return self.env.step(action)
+
+
+def test_humaneval_rollout_feeds_test_results_back(tiny_config, encoder):
+    """The code env through the sampler's rollout path: its system prompt, the sandbox's verdict
+    as the next user turn, and log-probs the trainer recomputes exactly."""
+    config = tiny_config.model_copy(deep=True)
+    config.env.name, config.policy.max_new_tokens = "humaneval", 8
+    roller = make_roller(config, encoder)
+    assert "Python programmer" in roller.chat.system_prompt
+    trajectory = roller.rollout(make_tasks(config.env, 1)[0], 0)
+    assert len(trajectory.steps) == 2 and trajectory.total_reward == 0.0  # random tokens are not code
+    feedback = roller.chat.tokenizer.decode(trajectory.steps[1].observation_ids.tolist())
+    assert "Your reply has no Python code" in feedback or "Your code" in feedback
+    inputs = training_inputs(trajectory)
+    batch = collate_steps(inputs, encoder.dim, [trajectory.temperature] * len(inputs))
+    with torch.no_grad():
+        scored = roller.policy(batch)
+    for row, step in enumerate(trajectory.steps):
+        np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-4)

@@ -1,0 +1,127 @@
+"""Run an untrusted Python program in a sandboxed subprocess and say how it ended.
+
+The parent side only starts `sandbox_launch.py` (which isolates, limits and runs the program;
+its docstring lists the layers), waits with a wall-clock limit, and turns the launcher's JSON
+report into a `SandboxResult`. No `preexec_fn`: samplers have threads, and forking with a
+Python callback in the child can deadlock on a lock another thread held.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from sao.config import SandboxConfig
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = Path(__file__).with_name("sandbox_launch.py")
+GRACE_S = 3.0  # launcher start, namespace setup and teardown, on top of the program's wall_time_s
+FULL_ISOLATION = frozenset({"netns", "mountns", "pidns", "tmpfs"})
+
+Status = Literal["passed", "failed", "timeout", "memory", "killed"]
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program): the launcher crashed or could not isolate."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """How one program run ended.
+
+    status: passed (exit 0) | failed (non-zero exit, e.g. an uncaught exception) | timeout
+    (wall-clock or CPU limit) | memory (MemoryError under the address-space limit) | killed
+    (another signal, e.g. SIGSEGV).
+    """
+
+    status: Status
+    returncode: int | None  # exit code; -N when signal N ended it; None when the wall clock did
+    stdout_tail: str
+    stderr_tail: str
+    wall_s: float
+    isolation: tuple[str, ...]  # layers that applied, e.g. ("netns", "mountns", "pidns", "uid", ...)
+    uid: int | None = None  # the program's own uid (as root), to look for leftovers
+
+
+def run_python(source: str, limits: SandboxConfig) -> SandboxResult:
+    """Run `source` as a Python script under `limits`; never leaves a process behind."""
+    started = time.monotonic()
+    command = [sys.executable, "-I", str(LAUNCHER), json.dumps(limits.model_dump())]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    stdout = stderr = b""
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          env=env, start_new_session=True) as launcher:
+        try:
+            stdout, stderr = launcher.communicate(source.encode(), timeout=limits.wall_time_s + GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass  # the launcher enforces wall_time_s itself; this is the backstop
+        finally:
+            # Also on any exception while waiting (e.g. the env guard's SIGALRM): killing the
+            # launcher's group makes its init die (PDEATHSIG), which tears the pid namespace down.
+            if launcher.poll() is None:
+                _kill_group(launcher)
+    wall_s = time.monotonic() - started
+    if launcher.returncode == -signal.SIGKILL and not stdout:
+        return SandboxResult("timeout", None, "", "", wall_s, ())
+    report = _report(launcher.returncode, stdout, stderr)
+    isolation = tuple(report["layers"])
+    _warn_weak_isolation(isolation)
+    if report["wall_timeout"]:
+        status, returncode = "timeout", None
+    else:
+        returncode = report["code"]
+        status = classify(returncode, report["cpu_s"], report["stderr"], limits)
+    return SandboxResult(status, returncode, report["stdout"], report["stderr"], wall_s, isolation, report["uid"])
+
+
+def classify(returncode: int, cpu_s: float, stderr_tail: str, limits: SandboxConfig) -> Status:
+    """Tell the ways a program can end apart, from its exit code, CPU time and last error line."""
+    if returncode == 0:
+        return "passed"
+    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and cpu_s >= limits.cpu_time_s):
+        return "timeout"  # RLIMIT_CPU: SIGXCPU at the soft limit, SIGKILL at the hard one
+    if returncode < 0:
+        return "killed"
+    lines = stderr_tail.strip().splitlines()
+    return "memory" if lines and lines[-1].startswith("MemoryError") else "failed"
+
+
+def _report(returncode: int, stdout: bytes, stderr: bytes) -> dict:
+    try:
+        report = json.loads(stdout) if returncode == 0 else None
+    except ValueError:
+        report = None
+    if report is None or "error" in report:
+        why = report["error"] if report else stderr.decode(errors="replace")[-2000:].strip()
+        raise SandboxError(f"the code sandbox failed (launcher exit {returncode}): {why}")
+    if stderr:
+        log.debug("sandbox launcher: %s", stderr.decode(errors="replace")[-2000:])
+    return report
+
+
+def _kill_group(launcher: subprocess.Popen) -> None:
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it ended between poll() and here
+    launcher.wait()
+
+
+@lru_cache(maxsize=None)
+def _warn_weak_isolation(layers: tuple[str, ...]) -> None:
+    """Once per distinct set of layers: say what is missing, and what that exposes."""
+    missing = sorted(FULL_ISOLATION - set(layers))
+    if missing:
+        log.warning("code sandbox runs without %s (unshare refused here): generated code may reach the network "
+                    "or the host's /tmp, and daemons it starts may outlive the run; only rlimits%s apply",
+                    ", ".join(missing), " and a uid of its own" if "uid" in layers else "")

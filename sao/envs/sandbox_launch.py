@@ -1,0 +1,295 @@
+"""Child side of the code sandbox: isolate, drop privileges, set limits, run one program, report.
+
+Started by `sao.envs.sandbox.run_python` as `python -I sandbox_launch.py '<limits as JSON>'`
+with the program's source on stdin. It prints one JSON report on stdout; the program's own
+stdout/stderr go to files the launcher reads back (so nothing the program prints can be
+mistaken for the report, and the parent never buffers more than the kept tails).
+
+Layers, each recorded by name in the report's `layers`:
+- `netns`, `mountns`, `pidns`: new namespaces (as root; otherwise inside a new `userns`).
+  No network at all (not even loopback); mounts made here never reach the host; the program's
+  supervisor is PID 1 of the new pid namespace, and when it exits the kernel kills every
+  process left in it (fork bombs, daemons that called setsid).
+- `readonly`: every inherited mount is read-only; `tmpfs`: fresh size-limited tmpfs over
+  /tmp, /var/tmp and /dev/shm, so the program can write only to memory that vanishes with it.
+- `proc`: a /proc of the new pid namespace (the program sees no host processes).
+- `uid`: as root, the program runs as a uid of its own (UID_BASE + launcher pid), so it can
+  signal nothing else and RLIMIT_NPROC, which root ignores, bounds its processes.
+- `rlimits`: CPU, address space, file size, open files, processes, no core dumps.
+
+Stdlib only, imported light: this starts for every run of generated code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import stat
+import sys
+import time
+
+UID_BASE = 200_000
+SCRATCH = "/tmp/sandbox"  # the program's cwd, HOME and TMPDIR when the mount namespace applies
+OUTPUT_DIR = "/tmp/.sandbox-output"  # root-only tmpfs holding the program's stdout/stderr
+STAGING_DIR = "/tmp/.sandbox-staging"  # where the interpreter is bind-mounted before moving into place
+MAX_OPEN_FILES = 64
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 8192, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    encode = lambda text: None if text is None else text.encode()  # noqa: E731
+    _check(_libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)), f"mount {target}")
+
+
+def _prctl(option: int, value: int) -> None:
+    _check(_libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
+
+
+def enter_namespaces() -> list[str]:
+    """New net, mount and pid namespaces; the next fork becomes PID 1 of the new pid namespace."""
+    flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID
+    if os.geteuid() == 0:
+        return ["netns", "mountns", "pidns"] if _libc.unshare(flags) == 0 else []
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(flags | CLONE_NEWUSER) != 0:
+        return []
+    # Unprivileged: only our own ids can be mapped; root inside maps to us outside.
+    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"0 {uid} 1"),
+                       ("/proc/self/gid_map", f"0 {gid} 1")):
+        with open(path, "w") as file:
+            file.write(text)
+    return ["userns", "netns", "mountns", "pidns"]
+
+
+def _blocked_ancestor(path: str) -> str | None:
+    """The topmost directory above `path` that other users cannot traverse, if any."""
+    parts = path.strip("/").split("/")
+    for depth in range(1, len(parts)):
+        ancestor = "/" + "/".join(parts[:depth])
+        if not os.stat(ancestor).st_mode & stat.S_IXOTH:
+            return ancestor
+    return None
+
+
+def _expose(paths: list[str]) -> None:
+    """Make `paths` reachable by an unprivileged uid: hide each blocking ancestor (e.g. /root,
+    where pyenv installs Python) under an empty tmpfs and bind the paths back into it."""
+    hidden: dict[str, list[str]] = {}
+    for path in sorted(set(paths)):
+        blocked = _blocked_ancestor(path)
+        if blocked and not any(path.startswith(kept + "/") for kept in hidden.get(blocked, [])):
+            hidden.setdefault(blocked, []).append(path)
+    if not hidden:
+        return
+    os.mkdir(STAGING_DIR, 0o700)
+    for number, (blocked, inside) in enumerate(hidden.items()):
+        stages = []
+        for path in inside:
+            stages.append(f"{STAGING_DIR}/{number}-{len(stages)}")
+            os.mkdir(stages[-1])
+            _mount(path, stages[-1], None, MS_BIND | MS_REC)
+        _mount("tmpfs", blocked, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+        for path, stage in zip(inside, stages):
+            os.makedirs(path, exist_ok=True)
+            _mount(stage, path, None, MS_MOVE)
+
+
+def private_filesystem(max_file_mb: int, interpreter_paths: list[str]) -> list[str]:
+    """In the new mount namespace: nothing propagates to the host, the inherited tree is
+    read-only, and the world-writable directories are fresh tmpfs."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # must hold, or our mounts would show on the host
+    layers = []
+    attr = _MountAttr(attr_set=MOUNT_ATTR_RDONLY)
+    if _libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), ctypes.c_char_p(b"/"),
+                     ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
+        layers.append("readonly")  # kernels before 5.12 lack mount_setattr; the uid layer still guards
+    flags = MS_NOSUID | MS_NODEV
+    _mount("tmpfs", "/tmp", "tmpfs", flags, f"mode=1777,size={max_file_mb}m")
+    for path in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", flags, f"mode=1777,size={max_file_mb}m")
+    os.mkdir(OUTPUT_DIR, 0o700)  # stdout + stderr, each at most max_file_mb (RLIMIT_FSIZE)
+    _mount("tmpfs", OUTPUT_DIR, "tmpfs", flags | MS_NOEXEC, f"mode=0700,size={2 * max_file_mb + 1}m")
+    _expose(interpreter_paths)
+    return layers + ["tmpfs"]
+
+
+def _reachable(path: str) -> bool:
+    return _blocked_ancestor(path) is None
+
+
+def set_limits(limits: dict, own_uid: bool) -> None:
+    cpu = max(1, int(-(-limits["cpu_time_s"] // 1)))
+    mebibyte = 1 << 20
+    # SIGXCPU at the soft limit; SIGKILL one second later if the program handles SIGXCPU.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mebibyte,) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["max_file_mb"] * mebibyte,) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES,) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if own_uid:  # NPROC counts every process of the real uid: only meaningful for a uid of its own
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)
+
+
+def exec_program(python: str, scratch: str, fds: tuple[int, int, int], uid: int | None, limits: dict,
+                 error_pipe: int) -> None:
+    """In the forked child: limits, privilege drop, exec. Any failure goes to `error_pipe`."""
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        set_limits(limits, own_uid=uid is not None)
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        os.chdir(scratch)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch}
+        os.execve(python, [python, "-I", "-S", "solution.py"], env)
+    except BaseException as err:  # noqa: BLE001 - report why the program never started
+        os.write(error_pipe, f"{type(err).__name__}: {err}".encode())
+    finally:
+        os._exit(127)
+
+
+def run_init(python: str, scratch: str, fds: tuple[int, int, int], uid: int | None, limits: dict,
+             layers: list[str], report_pipe: int) -> None:
+    """PID 1 of the sandbox: start the program, reap whatever it orphans, report how it ended.
+
+    Writes two JSON lines to `report_pipe`: the layers it added, once the program starts, and
+    how the program ended (the launcher may never see that one: it kills us on overrun).
+    """
+    report: dict = {}
+    try:
+        os.setpgid(0, 0)  # the launcher kills this group on overrun
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the launcher killed by run_python takes us along
+        added = []
+        if "pidns" in layers and "mountns" in layers:
+            try:
+                _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                added.append("proc")
+            except OSError:
+                pass  # some containers refuse a fresh proc; the uid and pidns layers still apply
+        os.write(report_pipe, json.dumps({"layers": added}).encode() + b"\n")
+        error_read, error_write = os.pipe()
+        program = os.fork()
+        if program == 0:
+            os.close(error_read)
+            exec_program(python, scratch, fds, uid, limits, error_write)
+        os.close(error_write)
+        failure = os.read(error_read, 4096)  # empty: exec succeeded and closed the pipe
+        while True:
+            pid, status, usage = os.wait4(-1, 0)
+            if pid == program:
+                break
+        if failure:
+            report["error"] = "the program did not start: " + failure.decode(errors="replace")
+        report.update(code=os.waitstatus_to_exitcode(status), cpu_s=usage.ru_utime + usage.ru_stime)
+    except BaseException as err:  # noqa: BLE001 - any failure here is the sandbox's, and is reported
+        report["error"] = f"sandbox init failed: {type(err).__name__}: {err}"
+    finally:
+        os.write(report_pipe, json.dumps(report).encode() + b"\n")
+        if "pidns" not in layers:
+            os.killpg(0, signal.SIGKILL)  # no namespace teardown: take our process group down ourselves
+        os._exit(0)
+
+
+def wait_for_init(init: int, report_pipe: int, wall_time_s: float) -> tuple[list[str], dict | None]:
+    """The layers init added, and its report; None when the program ran past the wall-clock
+    limit (then everything is killed)."""
+    deadline = time.monotonic() + wall_time_s
+    received, ended = b"", False
+    while not ended and (remaining := deadline - time.monotonic()) > 0:
+        if select.select([report_pipe], [], [], remaining)[0]:
+            chunk = os.read(report_pipe, 65536)
+            received, ended = received + chunk, not chunk
+    if not ended:
+        os.killpg(init, signal.SIGKILL)  # killing PID 1 of the pid namespace kills all of it
+    os.waitpid(init, 0)  # returns once the pid namespace is empty
+    lines = [json.loads(line) for line in received.splitlines()]
+    if ended and len(lines) < 2:
+        return [], {"error": "sandbox init ended without a report"}
+    return lines[0]["layers"] if lines else [], (lines[1] if ended else None)
+
+
+def _tail(path: str, chars: int) -> str:
+    with open(path, "rb") as file:
+        file.seek(max(0, os.fstat(file.fileno()).st_size - 4 * chars))  # UTF-8: at most 4 bytes a char
+        return file.read().decode(errors="replace")[-chars:]
+
+
+def main() -> None:
+    limits = json.loads(sys.argv[1])
+    source = sys.stdin.buffer.read()
+    os.umask(0o022)
+    python = os.path.realpath(sys.executable)  # the base interpreter; -S skips the venv anyway
+    interpreter_paths = sorted({os.path.dirname(python), os.path.realpath(sys.base_prefix)})
+    layers = enter_namespaces()
+    root = os.geteuid() == 0 and "userns" not in layers
+    if "mountns" in layers:
+        layers += private_filesystem(limits["max_file_mb"], interpreter_paths)
+        scratch, output_dir = SCRATCH, OUTPUT_DIR
+        os.mkdir(scratch, 0o700)
+    else:
+        if root and not all(map(_reachable, interpreter_paths)):
+            raise SystemExit(f"sandbox: cannot drop root: {python} is not reachable by other users and "
+                             "no mount namespace is available to expose it")
+        import tempfile  # fallback only: scratch space in the host's /tmp, removed afterwards
+
+        scratch, output_dir = tempfile.mkdtemp(prefix="sao-sandbox-"), tempfile.mkdtemp(prefix="sao-output-")
+    uid = UID_BASE + os.getpid() if root else None
+    with open(os.path.join(scratch, "solution.py"), "wb") as file:
+        file.write(source)
+    if uid is not None:
+        os.chown(scratch, uid, uid)
+        os.chown(os.path.join(scratch, "solution.py"), uid, uid)
+        layers.append("uid")
+    layers.append("rlimits")
+    stdout_path, stderr_path = os.path.join(output_dir, "stdout"), os.path.join(output_dir, "stderr")
+    fds = (os.open(os.devnull, os.O_RDONLY), os.open(stdout_path, os.O_WRONLY | os.O_CREAT, 0o600),
+           os.open(stderr_path, os.O_WRONLY | os.O_CREAT, 0o600))
+    report_read, report_write = os.pipe()
+    init = os.fork()
+    if init == 0:
+        os.close(report_read)
+        run_init(python, scratch, fds, uid, limits, layers, report_write)
+    os.close(report_write)
+    added, outcome = wait_for_init(init, report_read, limits["wall_time_s"])
+    layers += added
+    chars = limits["output_chars"]
+    report = {"layers": layers, "uid": uid, "wall_timeout": outcome is None, **(outcome or {}),
+              "stdout": _tail(stdout_path, chars), "stderr": _tail(stderr_path, chars)}
+    if "mountns" not in layers:
+        import shutil
+
+        for path in (scratch, output_dir):
+            shutil.rmtree(path, ignore_errors=True)
+    sys.stdout.write(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

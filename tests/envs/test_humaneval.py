@@ -1,0 +1,152 @@
+"""The HumanEval env: splits, code extraction, sandboxed grading, multi-turn feedback."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from sao.config import EnvConfig, SandboxConfig
+from sao.envs.guard import EnvFailure, call_env
+from sao.envs.humaneval import HumanEvalEnv, extract_code, problems, split_problems
+from sao.envs.registry import env_class, make_env, make_tasks
+from sao.envs.sandbox_launch import UID_BASE
+
+FAST = SandboxConfig(cpu_time_s=1, wall_time_s=2, memory_mb=256, max_processes=8, max_file_mb=2)
+CONFIG = EnvConfig(name="humaneval", max_turns=2, retry_discount=0.5, sandbox=FAST)
+
+
+def fenced(code: str) -> str:
+    return f"Here is the function:\n```python\n{code}\n```\nIt works."
+
+
+def started(problem_id: str, config: EnvConfig = CONFIG) -> tuple[HumanEvalEnv, dict]:
+    env = make_env(config)
+    env.reset({"problem": problem_id})
+    return env, problems()[problem_id]
+
+
+def test_registry_finds_the_env():
+    assert env_class("humaneval") is HumanEvalEnv
+    assert "```python" in HumanEvalEnv.generation_defaults.system_prompt
+
+
+def test_splits_are_disjoint_and_cover_all_problems():
+    train, held_out = split_problems("train"), split_problems("eval")
+    assert (len(problems()), len(train), len(held_out)) == (164, 131, 33)
+    assert not set(train) & set(held_out) and set(train) | set(held_out) == set(problems())
+    with pytest.raises(ValueError, match="splits"):
+        split_problems("test")
+
+
+def test_tasks_cycle_the_split_with_unique_ids():
+    tasks = make_tasks(CONFIG, 140)
+    assert len({task.task_id for task in tasks}) == 140
+    assert tasks[131].spec == tasks[0].spec and tasks[1].spec != tasks[0].spec  # wrapped around in order
+    later = make_tasks(CONFIG, 3, start_index=5)
+    assert [(t.task_id, t.spec) for t in later] == [(t.task_id, t.spec) for t in tasks[5:8]]
+    held_out = make_tasks(CONFIG, 33, split="eval")
+    assert {task.spec["problem"] for task in held_out} == set(split_problems("eval"))
+    assert all(task.task_id.startswith("eval/humaneval/") for task in held_out)
+
+
+@pytest.mark.parametrize("reply, code", [
+    ("```python\nx = 1\n```\ntext\n```python\nx = 2\n```", "x = 2"),  # the last block
+    ("Sure:\n```\nreturn 3\n```", "return 3"),  # a bare fence
+    ("```python\ndef f():\n    return 1", "def f():\n    return 1"),  # cut off by max_new_tokens
+    ("def f():\n    return 1\n", "def f():\n    return 1\n"),  # unfenced, but Python
+    ("I am not sure how to do this.", None),
+    ("```text\nnot code\n```", None),
+    ("```python\n\n```", None),
+])
+def test_extract_code(reply, code):
+    assert extract_code(reply) == code
+
+
+def test_prompt_shows_the_signature_and_docstring():
+    env = make_env(CONFIG)
+    prompt = env.reset({"problem": "HumanEval/0"})
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in prompt
+    assert "complete function" in prompt
+
+
+@pytest.mark.parametrize("problem_id", ["HumanEval/0", "HumanEval/10", "HumanEval/38"])  # 10, 38 have helpers
+def test_canonical_solution_passes_as_function_and_as_body(problem_id):
+    env, problem = started(problem_id)
+    as_function = env.step(fenced(problem["prompt"] + problem["canonical_solution"]))
+    assert (as_function.reward, as_function.done, as_function.info["status"]) == (1.0, True, "passed")
+    env.reset({"problem": problem_id})
+    as_body = env.step(fenced(problem["canonical_solution"]))
+    assert (as_body.reward, as_body.done) == (1.0, True)
+
+
+def test_wrong_answer_gets_the_failing_assert_then_a_discounted_reward():
+    env, problem = started("HumanEval/0")
+    wrong = env.step(fenced("def has_close_elements(numbers, threshold):\n    return True"))
+    assert not wrong.done and wrong.reward == 0
+    assert (wrong.info["status"], wrong.info["attempt"]) == ("failed", 0)
+    assert "assert candidate(" in wrong.observation and "AssertionError" in wrong.observation
+    assert len(wrong.observation) < 600
+    right = env.step(fenced(problem["prompt"] + problem["canonical_solution"]))
+    assert right.done and right.reward == pytest.approx(CONFIG.retry_discount) and right.info["attempt"] == 1
+
+
+def test_no_code_is_an_attempt_and_the_last_turn_ends_with_nothing():
+    env, _ = started("HumanEval/2")
+    first = env.step("I would rather not write code.")
+    assert not first.done and first.info["status"] == "no-code" and "no Python code" in first.observation
+    last = env.step(fenced("def truncate_number(number):\n    return 0.0"))
+    assert last.done and last.reward == 0 and last.info["status"] == "failed"
+
+
+def test_exiting_before_the_tests_does_not_pass():
+    env, _ = started("HumanEval/2")
+    feedback = env.step(fenced("import sys\nsys.exit(0)"))
+    assert feedback.reward == 0 and feedback.info["status"] == "exited-early"
+
+
+def test_hostile_reply_is_a_failed_attempt_within_the_limits():
+    env, _ = started("HumanEval/0")
+    began = time.monotonic()
+    feedback = env.step(fenced("def has_close_elements(numbers, threshold):\n    while True:\n        pass"))
+    assert time.monotonic() - began < FAST.wall_time_s + 3
+    assert not feedback.done and feedback.reward == 0 and feedback.info["status"] == "timeout"
+    assert "ran too long" in feedback.observation
+
+
+def _leftovers() -> list[psutil.Process]:
+    """Processes of any sandbox uid, or sandbox launchers, still alive (zombies included)."""
+    found = []
+    for process in psutil.process_iter(["uids", "cmdline"]):
+        uids, cmdline = process.info["uids"], process.info["cmdline"] or []
+        if (uids and uids.real >= UID_BASE) or any("sandbox_launch" in part for part in cmdline):
+            found.append(process)
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="telling sandbox processes apart needs their own uid (root)")
+def test_env_guard_timeout_leaves_no_sandbox_process():
+    config = CONFIG.model_copy(update={"sandbox": SandboxConfig(cpu_time_s=20, wall_time_s=20)})
+    env, _ = started("HumanEval/0", config)
+    hostile = fenced("import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)")
+    began = time.monotonic()
+    with pytest.raises(EnvFailure) as failure:
+        call_env("env.step", env.step, hostile, timeout_s=1)
+    assert failure.value.reason == "env-timeout" and time.monotonic() - began < 5
+    deadline = time.monotonic() + 3  # the launcher is gone; its init dies by PDEATHSIG, then the pid namespace
+    while _leftovers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _leftovers() == []
+
+
+@pytest.mark.slow
+def test_every_canonical_solution_passes():
+    env = make_env(CONFIG.model_copy(update={"sandbox": SandboxConfig()}))
+    failing = []
+    for problem_id, problem in problems().items():
+        env.reset({"problem": problem_id})
+        if env.step(fenced(problem["prompt"] + problem["canonical_solution"])).reward != 1.0:
+            failing.append(problem_id)
+    assert failing == []
