@@ -245,8 +245,18 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
 
 @config_app.command("show")
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Print the effective config as TOML."""
-    typer.echo(to_toml(_config(config, set_)))
+    """Print the effective config as TOML, then the generation settings the env fills in."""
+    from sao.envs.registry import UnknownEnv, generation_settings
+
+    cfg = _config(config, set_)
+    typer.echo(to_toml(cfg))
+    try:
+        settings = generation_settings(cfg)
+    except UnknownEnv as err:
+        raise typer.BadParameter(str(err), param_hint="env.name") from err
+    typer.echo("# effective generation settings (policy.* where set, else the env's defaults):")
+    for key, value in vars(settings).items():
+        typer.echo(f"#   {key} = {value!r}")
 
 
 if __name__ == "__main__":

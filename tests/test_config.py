@@ -48,3 +48,15 @@ def test_toml_rendering_round_trips(tmp_path):
     path.write_text(to_toml(config))
     assert load_config(path, environ={}) == config
     assert isinstance(config, SaoConfig)
+
+
+def test_config_show_prints_the_env_filled_generation_settings():
+    from typer.testing import CliRunner
+
+    from sao.cli import app
+
+    shown = CliRunner().invoke(app, ["config", "show", "--set", 'env.name="humaneval"'])
+    assert shown.exit_code == 0, shown.output
+    assert "[policy]" in shown.output and "#   max_new_tokens = 384" in shown.output
+    wrong = CliRunner().invoke(app, ["config", "show", "--set", 'env.name="no_such_env"'])
+    assert wrong.exit_code != 0 and "env.name" in wrong.output
