@@ -2,11 +2,12 @@
 
     python benchmarks/sampler_throughput.py [--tasks 16] [--batch 4] [--model smollm2-135m-instruct] [--json PATH]
 
-Part 1, in this process: the same tasks rolled out one at a time (rollout_batch 1) and side by
-side (rollout_batch = --batch). Part 2: one, then two sampler processes, each rolling out --tasks
+Part 1, in this process: the same tasks rolled out one at a time (rollout_batch 1), in lockstep
+batches of --batch (each batch runs to its end), and with continuous batching (--batch slots,
+a slot refilled as soon as its episode ends: what `sao sampler` does). Part 2: one, then two sampler processes, each rolling out --tasks
 tasks of its own at --batch; they load their models first and start together at a barrier, so
 start-up is not timed. Every process uses one torch thread (what a sampler gets on a 2-core
-machine) and `Roller.rollout_batch`, the code path `sao sampler` runs; Kafka is left out
+machine) and `Roller.start`/`Roller.step`, the code path `sao sampler` runs; Kafka is left out
 (producing a trajectory takes ~1 ms). Prints trajectories/s and generated tokens/s per process
 and in total, with the ratios against the baseline measured in the same run.
 """
@@ -40,14 +41,31 @@ def _roller(model: str, seed: int):
     return Roller(config, policy, encoder, load_temporal_filter(), f"bench-{seed}", seed=seed), config
 
 
-def measure(roller, tasks, batch: int) -> dict:
+def continuous(roller, tasks, batch: int) -> list:
+    """What `sao sampler` does: keep `batch` episodes live, refilling a slot when one ends."""
+    queue, live, trajectories = list(tasks), [], []
+    while queue or live:
+        while queue and len(live) < batch:
+            live.append(roller.start(queue.pop(0), behaviour_version=0))
+        outcomes = roller.step(live)
+        trajectories += [outcome for outcome in outcomes if outcome is not None]
+        live = [episode for episode, outcome in zip(live, outcomes) if outcome is None]
+    return trajectories
+
+
+def lockstep(roller, tasks, batch: int) -> list:
+    """Fixed batches of `batch` tasks, each run to its end before the next starts."""
+    return [t for first in range(0, len(tasks), batch)
+            for t in roller.rollout_batch(tasks[first:first + batch], behaviour_version=0)]
+
+
+def measure(roller, tasks, batch: int, mode=continuous) -> dict:
     started = time.perf_counter()
-    trajectories = []
-    for first in range(0, len(tasks), batch):
-        trajectories += roller.rollout_batch(tasks[first:first + batch], behaviour_version=0)
+    trajectories = mode(roller, tasks, batch)
     seconds = time.perf_counter() - started
     tokens = sum(len(step.action_ids) for t in trajectories for step in t.steps)
-    return {"batch": batch, "trajectories": len(trajectories), "seconds": seconds, "tokens": tokens,
+    return {"batch": batch, "mode": mode.__name__, "trajectories": len(trajectories), "seconds": seconds,
+            "tokens": tokens,
             "trajectories_per_s": len(trajectories) / seconds, "tokens_per_s": tokens / seconds,
             "mean_reward": sum(t.total_reward for t in trajectories) / len(trajectories)}
 
@@ -94,14 +112,15 @@ def main() -> None:
     console = Console()
     roller, config = _roller(args.model, seed=0)
     tasks = make_tasks(config.env, args.tasks)
-    in_process = [measure(roller, tasks, batch) for batch in (1, args.batch)]
+    in_process = [measure(roller, tasks, 1), measure(roller, tasks, args.batch, lockstep),
+                  measure(roller, tasks, args.batch)]
     scaling = [processes(count, args.model, args.tasks, args.batch) for count in (1, 2)]
 
     table = Table(title=f"one sampler, {args.model}, {args.tasks} tasks, 1 torch thread")
-    for column in ("rollout_batch", "trajectories/s", "tokens/s", "seconds", "mean reward"):
+    for column in ("rollout_batch", "batching", "trajectories/s", "tokens/s", "seconds", "mean reward"):
         table.add_column(column, justify="right")
     for r in in_process:
-        table.add_row(str(r["batch"]), f"{r['trajectories_per_s']:.3f}", f"{r['tokens_per_s']:.1f}",
+        table.add_row(str(r["batch"]), r["mode"] if r["batch"] > 1 else "-", f"{r['trajectories_per_s']:.3f}", f"{r['tokens_per_s']:.1f}",
                       f"{r['seconds']:.1f}", f"{r['mean_reward']:.3f}")
     console.print(table)
     table = Table(title=f"sampler processes, rollout_batch {args.batch}, {args.tasks} tasks each, 1 torch thread each")
@@ -115,14 +134,16 @@ def main() -> None:
                       f"{run['total_tokens_per_s']:.1f}", "", end_section=True)
     console.print(table)
 
-    baseline, batched = in_process
+    baseline, batched_lockstep, batched = in_process
     batching = batched["trajectories_per_s"] / baseline["trajectories_per_s"]
+    refill = batched["trajectories_per_s"] / batched_lockstep["trajectories_per_s"]
     one, two = scaling
     scale = two["total_trajectories_per_s"] / one["total_trajectories_per_s"]
     per_process = (sum(r["trajectories_per_s"] for r in two["per_process"]) / 2
                    / one["per_process"][0]["trajectories_per_s"])
-    console.print(f"batched / one at a time: {batching:.2f}x trajectories/s, "
+    console.print(f"continuous batching / one at a time: {batching:.2f}x trajectories/s, "
                   f"{batched['tokens_per_s'] / baseline['tokens_per_s']:.2f}x tokens/s")
+    console.print(f"continuous / lockstep batches: {refill:.2f}x trajectories/s")
     console.print(f"2 samplers / 1 sampler: {scale:.2f}x trajectories/s in total, "
                   f"{per_process:.2f}x per process ({os.cpu_count()} cores)")
     if args.json:
@@ -130,6 +151,7 @@ def main() -> None:
             "headline": {"metric": "sampler trajectories per second", "unit": "trajectories/s",
                          "value": batched["trajectories_per_s"], "baseline": baseline["trajectories_per_s"],
                          "ratio": batching},
+            "continuous_vs_lockstep": refill,
             "scaling": {"metric": "trajectories per second, 2 sampler processes vs 1", "ratio": scale,
                         "per_process_ratio": per_process, "runs": scaling},
             "results": in_process, "model": args.model, "cores": os.cpu_count()}, indent=2))

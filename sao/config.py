@@ -109,8 +109,8 @@ class SamplerConfig(Section):
         "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
                             "CPU in fp32 (bf16 matmuls are ~20x slower on CPU). Published fp32 weights are cast on load.")
     rollout_batch: int = Field(
-        4, ge=1, description="Tasks a sampler rolls out side by side (one batched forward per token); each is "
-                             "still one trajectory with its own env.")
+        4, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
+                             "refilled as soon as its episode ends); each is still one trajectory with its own env.")
 
 
 class TrainerConfig(Section):

@@ -87,12 +87,14 @@ class ChatFormat:
         return self.stop.cut(self._decode_ids(ids.tolist()))
 
 
-class _Episode:
+class Episode:
     """One episode in progress: its env, its online compressor and the steps taken so far."""
 
-    def __init__(self, roller: Roller, task: Task, env: Env):
+    def __init__(self, roller: Roller, task: Task, env: Env, behaviour_version: int):
         self.roller, self.task, self.env = roller, task, env
+        self.behaviour_version = behaviour_version
         self.started = time.perf_counter()
+        self.generate_s = 0.0  # time in the batched generations this episode took part in
         self.limit = roller.config.env.step_timeout_s
         task_text = call_env("env.reset", env.reset, task.spec, timeout_s=self.limit)
         self.prompt_ids = roller.chat.prompt(task_text)
@@ -124,7 +126,7 @@ class _Episode:
             self.observation_text = feedback.observation
             self.observation_ids = self.roller.chat.feedback_observation(feedback.observation, action_ids)
 
-    def trajectory(self, behaviour_version: int, generate_s: float) -> Trajectory:
+    def trajectory(self) -> Trajectory:
         config, steps = self.roller.config, self.steps
         table = self.compressor.memory()
         # Slots become visible in creation order, so the ones no step ever saw form a tail:
@@ -134,11 +136,11 @@ class _Episode:
         stages = self.compressor.stats()
         return Trajectory(
             trajectory_id=Trajectory.make_id(self.task.task_id, self.task.attempt), task_id=self.task.task_id,
-            env=self.task.env, sampler_id=self.roller.sampler_id, behaviour_version=behaviour_version,
+            env=self.task.env, sampler_id=self.roller.sampler_id, behaviour_version=self.behaviour_version,
             prompt_ids=self.prompt_ids, steps=steps, memory=memory, temperature=config.policy.temperature,
             top_p=config.policy.top_p,
             encoder=self.roller.encoder.name, recent_window=config.compression.recent_window,
-            timings={"rollout_s": time.perf_counter() - self.started, "generate_s": generate_s,
+            timings={"rollout_s": time.perf_counter() - self.started, "generate_s": self.generate_s,
                      "encode_s": stages.encode_seconds, "filter_s": stages.filter_seconds,
                      "quantize_s": stages.quantize_seconds},
             compression={**compression_stats(self.prompt_ids, steps, memory), "memory_ratio": stages.ratio,
@@ -149,8 +151,10 @@ class _Episode:
 class Roller:
     """Runs episodes with the current policy; the policy object is swapped in place on reload.
 
-    `rollout_batch` runs several single-trajectory episodes side by side: one batched forward
-    pass per generated token serves all of them (each is still its own trajectory, own env).
+    Several single-trajectory episodes run side by side: `step` generates one turn for each of
+    them in one batched forward pass per token (each is still its own trajectory, own env).
+    `rollout_batch` runs a fixed set of tasks to the end; the sampler instead refills a slot
+    as soon as its episode ends (`start` + `step`).
     """
 
     def __init__(self, config: SaoConfig, policy: MemoryPolicy, encoder: SemanticEncoder,
@@ -173,36 +177,50 @@ class Roller:
             raise result
         return result
 
+    def start(self, task: Task, behaviour_version: int) -> Episode | EnvFailure:
+        """A new episode of `task` (its env reset), or the EnvFailure of a reset that failed."""
+        try:
+            return Episode(self, task, self.env_factory(), behaviour_version)
+        except EnvFailure as failure:
+            return failure
+
+    def step(self, episodes: list[Episode], greedy: bool = False) -> list[Trajectory | EnvFailure | None]:
+        """One turn of every episode, generated as one batch. Per episode: its trajectory if that
+        turn ended it, its EnvFailure if the env failed, or None while it goes on."""
+        generation = self.generation
+        started = time.perf_counter()
+        samples = self.policy.sample_batch([e.next_input() for e in episodes], generation.max_new_tokens,
+                                           generation.temperature, self.chat.stop, self.generator, greedy,
+                                           generation.top_p)
+        elapsed = time.perf_counter() - started
+        outcomes: list[Trajectory | EnvFailure | None] = []
+        for episode, (action_ids, logprobs) in zip(episodes, samples):
+            episode.generate_s += elapsed
+            try:
+                episode.advance(action_ids, logprobs)
+            except EnvFailure as failure:
+                outcomes.append(failure)
+                continue
+            outcomes.append(episode.trajectory() if episode.done else None)
+        return outcomes
+
     def rollout_batch(self, tasks: list[Task], behaviour_version: int,
                       greedy: bool = False) -> list[Trajectory | EnvFailure]:
         """One trajectory per task, in order; a task whose env failed yields its EnvFailure instead."""
-        generation = self.generation
         results: list[Trajectory | EnvFailure | None] = [None] * len(tasks)
-        episodes: dict[int, _Episode] = {}
+        live: dict[int, Episode] = {}
         for index, task in enumerate(tasks):
-            try:
-                episodes[index] = _Episode(self, task, self.env_factory())
-            except EnvFailure as failure:
-                results[index] = failure
-        generate_s = 0.0
-        while episodes:
-            live = list(episodes)
-            t0 = time.perf_counter()
-            samples = self.policy.sample_batch([episodes[i].next_input() for i in live], generation.max_new_tokens,
-                                               generation.temperature, self.chat.stop, self.generator, greedy,
-                                               generation.top_p)
-            generate_s += time.perf_counter() - t0
-            for index, (action_ids, logprobs) in zip(live, samples):
-                episode = episodes[index]
-                try:
-                    episode.advance(action_ids, logprobs)
-                except EnvFailure as failure:
-                    results[index] = failure
-                    del episodes[index]
-                    continue
-                if episode.done:
-                    results[index] = episode.trajectory(behaviour_version, generate_s)
-                    del episodes[index]
+            started = self.start(task, behaviour_version)
+            if isinstance(started, EnvFailure):
+                results[index] = started
+            else:
+                live[index] = started
+        while live:
+            indices = list(live)
+            for index, outcome in zip(indices, self.step([live[i] for i in indices], greedy)):
+                if outcome is not None:
+                    results[index] = outcome
+                    del live[index]
         return results
 
 

@@ -1,9 +1,10 @@
-"""The sampler process: consume a task, roll out one trajectory, compress, produce, commit.
+"""The sampler process: consume tasks, roll out one trajectory each, compress, produce, commit.
 
-A task offset is committed only after its trajectory is acknowledged by the broker, so a
-sampler that dies mid-task leaves the task to another member of the "sao-samplers" group
-(the trainer drops the duplicate by trajectory_id if both finish). New policy versions are
-loaded between trajectories, never during one.
+A task offset is committed only after its trajectory is acknowledged by the broker (and only
+below the oldest task still running on that partition), so a sampler that dies mid-task leaves
+the task to another member of the "sao-samplers" group (the trainer drops the duplicate by
+trajectory_id if both finish). New policy versions are loaded between trajectories, never
+during one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 
 from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
@@ -24,8 +25,9 @@ from sao.envs.guard import EnvFailure
 from sao.metrics import record_delivery, record_policy_reload, record_rollout
 from sao.policy.weights import WeightsMismatch, build_policy, place_for_sampling, read_weights_into
 from sao.producers.policy_follow import PolicyFollower
-from sao.producers.rollout import Roller
-from sao.schema import SchemaError, Task, decode, encode
+from sao.producers.offsets import OffsetTracker
+from sao.producers.rollout import Episode, Roller
+from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import write_status
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import deliver_and_wait, make_consumer, make_producer
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class Sampler:
+    """One `sao sampler` process: its policy copy, its live episodes and its Kafka clients."""
+
     def __init__(self, config: SaoConfig, bootstrap: str, sampler_id: str, status_path: Path | None = None):
         torch.set_num_threads(config.sampler.torch_threads)
         self.config = config
@@ -53,30 +57,39 @@ class Sampler:
         self.dlq = DeadLetterQueue(self.producer, config.topics.dlq)
         self.tasks = make_consumer(bootstrap, config.topics.sampler_group, [config.topics.tasks])
         self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
+        self.offsets = OffsetTracker()
+        self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live
+        self.pending_or_refused: PolicyAnnouncement | None = None  # a refused file is not read again
         self.stopping = False
 
     def run(self, max_tasks: int | None = None) -> dict:
-        """Loop until stopped (SIGTERM/SIGINT) or `max_tasks` tasks are handled."""
+        """Loop until stopped (SIGTERM/SIGINT) or `max_tasks` tasks are handled.
+
+        Continuous batching: up to `sampler.rollout_batch` episodes run side by side, one turn of
+        each per batched generation, and a slot is refilled with a new task as soon as its
+        episode ends. A new policy version is loaded only when no episode is live (admission
+        pauses until then), so every trajectory comes from one behaviour version.
+        """
         signal.signal(signal.SIGTERM, self._stop)
-        handled = 0
+        admitted = 0
+        live: list[tuple[Episode, object]] = []  # (episode, its task message)
         try:
-            while not self.stopping and (max_tasks is None or handled < max_tasks):
-                want = self.config.sampler.rollout_batch
+            while live or (not self.stopping and (max_tasks is None or admitted < max_tasks)):
+                self._follow_policy(reload_now=not live)
+                free = self.config.sampler.rollout_batch - len(live)
                 if max_tasks is not None:
-                    want = min(want, max_tasks - handled)
-                messages = self.tasks.consume(num_messages=want, timeout=0.5)
-                self.task_lag.maybe_report()
-                for msg in messages:
-                    if msg.error() is not None:
-                        log.warning("tasks topic: %s", msg.error())
-                messages = [msg for msg in messages if msg.error() is None]
-                if not messages:
-                    continue
-                # Between trajectories, right before the next ones: a version announced while
-                # this sampler waited for tasks is used for them.
-                self._maybe_reload()
-                self._handle(messages)
-                handled += len(messages)
+                    free = min(free, max_tasks - admitted)
+                if free > 0 and not self.stopping and self.pending is None:
+                    admitted_now, started = self._admit(free, wait=not live)
+                    admitted += admitted_now
+                    live += started
+                if live:
+                    outcomes = self.roller.step([episode for episode, _ in live])
+                    for (episode, msg), outcome in zip(live, outcomes):
+                        if outcome is not None:
+                            self._finish(msg, episode.task, outcome)
+                    live = [entry for entry, outcome in zip(live, outcomes) if outcome is None]
+                self._commit()
                 self._write_status()
         finally:
             self._write_status(finished=True)
@@ -88,37 +101,56 @@ class Sampler:
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
-    def _handle(self, messages: list) -> None:
-        """Roll out one trajectory per task (side by side), produce them, then commit the tasks."""
-        runnable = []
+    def _admit(self, count: int, wait: bool) -> tuple[int, list[tuple[Episode, object]]]:
+        """Take up to `count` tasks and start their episodes; returns (messages taken, started)."""
+        messages = self.tasks.consume(num_messages=count, timeout=0.5 if wait else 0)
+        self.task_lag.maybe_report()
+        started = []
+        taken = 0
         for msg in messages:
+            if msg.error() is not None:
+                log.warning("tasks topic: %s", msg.error())
+                continue
+            taken += 1
+            self.offsets.started(msg.topic(), msg.partition(), msg.offset())
             try:
                 task = decode(msg.value(), Task)
             except SchemaError as err:
                 self._dead_letter(msg, err.reason, str(err))
+                self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
                 continue
             record_delivery(msg.topic(), task.created_at, len(msg.value()))
-            runnable.append((msg, task))
-        results = self.roller.rollout_batch([task for _, task in runnable], self.version) if runnable else []
-        for (msg, task), result in zip(runnable, results):
-            if isinstance(result, EnvFailure):
-                # The env raised or hung: this task ends here, the sampler goes on.
-                self._dead_letter(msg, result.reason, str(result))
-                continue
+            episode = self.roller.start(task, self.version)
+            if isinstance(episode, EnvFailure):
+                self._finish(msg, task, episode)
+            else:
+                started.append((episode, msg))
+        return taken, started
+
+    def _finish(self, msg, task: Task, outcome: Trajectory | EnvFailure) -> None:
+        """Hand a finished task on: its trajectory to the trainer, or its failure to the DLQ."""
+        if isinstance(outcome, EnvFailure):
+            # The env raised or hung: this task ends here, the sampler goes on.
+            self._dead_letter(msg, outcome.reason, str(outcome))
+        else:
             produce_started = time.perf_counter()
-            deliver_and_wait(self.producer, self.config.topics.trajectories, encode(result), key=task.task_id)
-            record_rollout(result, time.perf_counter() - produce_started)
+            deliver_and_wait(self.producer, self.config.topics.trajectories, encode(outcome), key=task.task_id)
+            record_rollout(outcome, time.perf_counter() - produce_started)
             self.counters["produced"] += 1
-            self.counters["reward_sum"] += result.total_reward
-            self.counters["tokens"] += sum(len(s.action_ids) for s in result.steps)
-            self.counters["rollout_s"] += result.timings["rollout_s"]
-        # Only now are the tasks safely handed on (trajectories acked, or dead letters queued).
+            self.counters["reward_sum"] += outcome.total_reward
+            self.counters["tokens"] += sum(len(s.action_ids) for s in outcome.steps)
+            self.counters["rollout_s"] += outcome.timings["rollout_s"]
+        self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
+
+    def _commit(self) -> None:
+        """Commit every partition up to its oldest unfinished task (trajectories acked, dead letters flushed)."""
+        offsets = self.offsets.committable()
+        if not offsets:
+            return
         self.dlq.flush(10)
-        last = {}
-        for msg in messages:
-            last[(msg.topic(), msg.partition())] = max(last.get((msg.topic(), msg.partition()), -1), msg.offset())
         try:
-            self.tasks.commit(offsets=[TopicPartition(t, p, o + 1) for (t, p), o in last.items()], asynchronous=False)
+            self.tasks.commit(offsets=offsets, asynchronous=False)
+            self.offsets.committed(offsets)
         except KafkaException as err:
             # A partition moved to another sampler during the rollouts (a rebalance): those tasks
             # run again there, and the trainer drops the duplicates by trajectory_id.
@@ -129,10 +161,18 @@ class Sampler:
                       offset=msg.offset(), key=msg.key(), detail=detail)
         self.counters["dead_lettered"] += 1
 
-    def _maybe_reload(self) -> None:
+    @property
+    def newest_known(self) -> int:
+        return max(self.version, self.pending_or_refused.version if self.pending_or_refused else -1)
+
+    def _follow_policy(self, reload_now: bool) -> None:
+        """Note the newest announced version; load it once no episode is live (`reload_now`)."""
         announcement = self.policy_follower.poll()
-        if announcement is None or announcement.version <= self.version:
+        if announcement is not None and announcement.version > self.newest_known:
+            self.pending = self.pending_or_refused = announcement
+        if self.pending is None or not reload_now:
             return
+        announcement, self.pending = self.pending, None
         started = time.perf_counter()
         try:
             read_weights_into(self.policy, announcement.weights_path, announcement.sha256)

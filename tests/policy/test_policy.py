@@ -88,3 +88,26 @@ def test_batched_sampling_is_exactly_rescored_row_by_row(policy):
     greedy = policy.sample_batch(steps, 5, 1.0, NEVER, greedy=True)
     alone = [policy.sample(step, 5, 1.0, NEVER, greedy=True)[0].tolist() for step in steps]
     assert [g[0].tolist() for g in greedy] == alone
+
+
+def test_any_hf_model_folder_is_a_policy_with_a_projector_sized_from_both(tiny_config, encoder, tmp_path):
+    """`policy.model = PATH`: an HF folder (config, weights, tokenizer) of another width."""
+    from transformers import AutoModelForCausalLM
+
+    from sao.compression.temporal import load_temporal_filter
+    from sao.envs.registry import make_tasks
+    from sao.policy.loading import load_tokenizer, tiny_config as tiny_lm_config
+    from sao.producers.rollout import Roller
+
+    tokenizer = load_tokenizer("tiny", tiny_config.policy.cache_dir)
+    lm_config = tiny_lm_config(len(tokenizer))
+    lm_config.hidden_size, lm_config.intermediate_size = 96, 160
+    AutoModelForCausalLM.from_config(lm_config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = tiny_config.model_copy(deep=True)
+    config.policy.model, config.policy.max_new_tokens = str(tmp_path), 4
+    policy = build_policy(config.policy, encoder.dim).eval()
+    assert tuple(policy.projector.weight.shape) == (96, encoder.dim)
+    trajectory = Roller(config, policy, encoder, load_temporal_filter(), "s-path").rollout(
+        make_tasks(config.env, 1)[0], 0)
+    assert all(1 <= len(step.action_ids) <= 4 for step in trajectory.steps)

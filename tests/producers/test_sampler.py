@@ -1,0 +1,44 @@
+"""The sampler through the real broker: continuous batching refills a slot the moment an
+episode ends, and task offsets are committed only below unfinished work."""
+
+from confluent_kafka import TopicPartition
+
+from sao.launcher import feed_tasks
+from sao.producers.sampler import Sampler
+from sao.schema import Trajectory, decode
+from sao.transport.kafka import make_consumer, read_all
+from sao.transport.topics import ensure_topics
+
+
+def test_a_finished_episode_is_replaced_at_once_and_every_task_is_committed(
+        kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path):
+    from support import turns_env
+
+    config = tiny_config.model_copy(deep=True)
+    p = unique_topic_prefix
+    config.topics.tasks, config.topics.trajectories = f"{p}.tasks", f"{p}.traj"
+    config.topics.policy, config.topics.dlq, config.topics.sampler_group = f"{p}.policy", f"{p}.dlq", f"{p}-s"
+    config.env.name, config.env.max_turns = "support.turns_env:TurnsEnv", 5
+    config.policy.max_new_tokens, config.metrics.sampler_port, config.sampler.rollout_batch = 3, 0, 2
+    ensure_topics(kafka_bootstrap, {config.topics.tasks: 1, config.topics.trajectories: 1, config.topics.policy: 1,
+                                    config.topics.dlq: 1})
+    feed_tasks(config, kafka_bootstrap, 4)  # task turns: 1, 3, 1, 1
+    turns_env.EVENTS.clear()
+    counters = Sampler(config, kafka_bootstrap, "s-cb", tmp_path / "status.json").run(max_tasks=4)
+
+    assert counters["produced"] == 4
+    events = turns_env.EVENTS
+    # Task 0 ends after its first turn; task 2 takes its slot while task 1 is still running.
+    assert events.index(("reset", 2)) < len(events) - 1 - events[::-1].index(("step", 1))
+    assert events.index(("reset", 3)) < len(events) - 1 - events[::-1].index(("step", 1))
+    # (Lockstep batches would reset task 2 only after task 1's third step.)
+    steps_per_task = {i: events.count(("step", i)) for i in range(4)}
+    assert steps_per_task == {0: 1, 1: 3, 2: 1, 3: 1}
+    trajectories = [decode(m.value(), Trajectory) for m in read_all(kafka_bootstrap, config.topics.trajectories)]
+    assert sorted(t.task_id for t in trajectories) == [f"train/turns/{i}" for i in range(4)]
+    checker = make_consumer(kafka_bootstrap, config.topics.sampler_group)
+    try:
+        committed = checker.committed([TopicPartition(config.topics.tasks, 0)], timeout=10)
+    finally:
+        checker.close()
+    assert committed[0].offset == 4  # every task handed on, none past unfinished work
