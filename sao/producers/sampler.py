@@ -80,9 +80,12 @@ class Sampler:
                 if max_tasks is not None:
                     free = min(free, max_tasks - admitted)
                 if free > 0 and not self.stopping and self.pending is None:
-                    admitted_now, started = self._admit(free, wait=not live)
-                    admitted += admitted_now
-                    live += started
+                    taken, tasks = self._take(free, wait=not live)
+                    admitted += taken
+                    if tasks and not live:
+                        # A version announced while this sampler waited for tasks is used for them.
+                        self._follow_policy(reload_now=True)
+                    live += self._start(tasks)
                 if live:
                     outcomes = self.roller.step([episode for episode, _ in live])
                     for (episode, msg), outcome in zip(live, outcomes):
@@ -101,11 +104,11 @@ class Sampler:
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
-    def _admit(self, count: int, wait: bool) -> tuple[int, list[tuple[Episode, object]]]:
-        """Take up to `count` tasks and start their episodes; returns (messages taken, started)."""
+    def _take(self, count: int, wait: bool) -> tuple[int, list[tuple[Task, object]]]:
+        """Up to `count` task messages: (how many were taken, the decodable tasks with their message)."""
         messages = self.tasks.consume(num_messages=count, timeout=0.5 if wait else 0)
         self.task_lag.maybe_report()
-        started = []
+        tasks = []
         taken = 0
         for msg in messages:
             if msg.error() is not None:
@@ -120,12 +123,19 @@ class Sampler:
                 self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
                 continue
             record_delivery(msg.topic(), task.created_at, len(msg.value()))
+            tasks.append((task, msg))
+        return taken, tasks
+
+    def _start(self, tasks: list[tuple[Task, object]]) -> list[tuple[Episode, object]]:
+        """Episodes of `tasks` under the current policy version; a failed env reset is dead-lettered."""
+        started = []
+        for task, msg in tasks:
             episode = self.roller.start(task, self.version)
             if isinstance(episode, EnvFailure):
                 self._finish(msg, task, episode)
             else:
                 started.append((episode, msg))
-        return taken, started
+        return started
 
     def _finish(self, msg, task: Task, outcome: Trajectory | EnvFailure) -> None:
         """Hand a finished task on: its trajectory to the trainer, or its failure to the DLQ."""
