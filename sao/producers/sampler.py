@@ -59,7 +59,7 @@ class Sampler:
         self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.offsets = OffsetTracker()
         self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live
-        self.pending_or_refused: PolicyAnnouncement | None = None  # a refused file is not read again
+        self.newest_announced = 0  # loaded, pending or refused: a refused file is not read again
         self.stopping = False
 
     def run(self, max_tasks: int | None = None) -> dict:
@@ -171,15 +171,11 @@ class Sampler:
                       offset=msg.offset(), key=msg.key(), detail=detail)
         self.counters["dead_lettered"] += 1
 
-    @property
-    def newest_known(self) -> int:
-        return max(self.version, self.pending_or_refused.version if self.pending_or_refused else -1)
-
     def _follow_policy(self, reload_now: bool) -> None:
         """Note the newest announced version; load it once no episode is live (`reload_now`)."""
         announcement = self.policy_follower.poll()
-        if announcement is not None and announcement.version > self.newest_known:
-            self.pending = self.pending_or_refused = announcement
+        if announcement is not None and announcement.version > self.newest_announced:
+            self.newest_announced, self.pending = announcement.version, announcement
         if self.pending is None or not reload_now:
             return
         announcement, self.pending = self.pending, None

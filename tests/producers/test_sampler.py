@@ -1,5 +1,6 @@
 """The sampler through the real broker: continuous batching refills a slot the moment an
-episode ends, and task offsets are committed only below unfinished work."""
+episode ends, task offsets are committed only below unfinished work, and new policy versions
+are loaded between trajectories only."""
 
 from confluent_kafka import TopicPartition
 
@@ -42,3 +43,53 @@ def test_a_finished_episode_is_replaced_at_once_and_every_task_is_committed(
     finally:
         checker.close()
     assert committed[0].offset == 4  # every task handed on, none past unfinished work
+
+
+class _Announcements:
+    """Stands in for the policy follower: returns the newest announcement set by the test."""
+
+    def __init__(self):
+        self.latest = None
+
+    def poll(self):
+        return self.latest
+
+    def close(self):
+        pass
+
+
+def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_read_twice(
+        kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path, monkeypatch):
+    import torch
+
+    from sao.policy.weights import unique_state_dict, write_weights
+    from sao.producers import sampler as sampler_module
+    from sao.schema import PolicyAnnouncement
+
+    config = tiny_config.model_copy(deep=True)
+    config.topics.tasks, config.topics.sampler_group = f"{unique_topic_prefix}.tasks", f"{unique_topic_prefix}-s"
+    config.metrics.sampler_port = 0
+    sampler = Sampler(config, kafka_bootstrap, "s-reload")
+    sampler.policy_follower = follower = _Announcements()
+    reads = []
+    real_read = sampler_module.read_weights_into
+    monkeypatch.setattr(sampler_module, "read_weights_into", lambda *a: (reads.append(a[1]), real_read(*a)))
+    with torch.no_grad():
+        sampler.policy.projector.bias.fill_(0.5)  # v1 differs from v0 in a way we can see
+    path = tmp_path / "v1.safetensors"
+    sha = write_weights(unique_state_dict(sampler.policy.state_dict()), path)
+    with torch.no_grad():
+        sampler.policy.projector.bias.zero_()
+
+    follower.latest = PolicyAnnouncement(1, str(path), sha, path.stat().st_size, 1)
+    sampler._follow_policy(reload_now=False)  # episodes are live: note it, do not load
+    assert sampler.version == 0 and sampler.pending.version == 1 and reads == []
+    sampler._follow_policy(reload_now=True)
+    assert sampler.version == 1 and sampler.pending is None
+    assert float(sampler.policy.projector.bias.detach()[0]) == 0.5
+
+    follower.latest = PolicyAnnouncement(2, str(path), "0" * 64, path.stat().st_size, 2)  # wrong hash
+    sampler._follow_policy(reload_now=True)
+    sampler._follow_policy(reload_now=True)  # the same refused announcement again
+    assert sampler.version == 1 and reads == [str(path), str(path)]  # v1 once, v2 once
+    sampler.tasks.close()
