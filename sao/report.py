@@ -32,7 +32,7 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
     max_staleness = _config_value(run_dir, "trainer", "max_staleness")
     plots_dir = run_dir / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
-    _plot_all(history, max_staleness, plots_dir)
+    _plot_all(history, max_staleness, plots_dir, summary.get("reward_window_size"))
     path = run_dir / "report.md"
     path.write_text(_markdown(run_dir, summary, trainer, samplers, history, max_staleness))
     return path
@@ -95,13 +95,14 @@ def _throughput(history: dict[str, list]) -> tuple[list[float], list[float], lis
 
 # --- plots -------------------------------------------------------------------------------------
 
-def _plot_all(history: dict[str, list], max_staleness: Any, plots_dir: Path) -> None:
+def _plot_all(history: dict[str, list], max_staleness: Any, plots_dir: Path, reward_window: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
 
-    def per_trajectory(name: str, key: str, ylabel: str, title: str, budget: float | None = None) -> None:
+    def per_trajectory(name: str, key: str, ylabel: str, title: str, budget: float | None = None,
+                       windows: int | None = None) -> None:
         fig, ax = plt.subplots(figsize=(8, 4))
         values = _finite(history.get(key, []))
         if values:
@@ -110,6 +111,11 @@ def _plot_all(history: dict[str, list], max_staleness: Any, plots_dir: Path) -> 
             ax.plot(x, _rolling_mean(values, _window(len(values))), "-", label=f"rolling mean ({_window(len(values))})")
             if budget is not None:
                 ax.axhline(budget, color="red", linestyle="--", label="trainer.max_staleness")
+            if windows and 2 * windows <= len(values):  # the first and last windows summary.json compares
+                for span, label in ((x[:windows], "first"), (x[-windows:], "last")):
+                    mean = sum(values[span[0] - 1:span[-1]]) / windows
+                    ax.hlines(mean, span[0], span[-1], colors="black", linewidth=2.5,
+                              label=f"{label} {windows}: mean {mean:.3f}")
             ax.set_xlabel("trajectories trained")
             ax.legend(loc="best")
         else:
@@ -118,7 +124,7 @@ def _plot_all(history: dict[str, list], max_staleness: Any, plots_dir: Path) -> 
         ax.set_title(title)
         _save(fig, plots_dir / f"{name}.png", plt)
 
-    per_trajectory("reward", "reward", "total reward", "Reward of trained trajectories")
+    per_trajectory("reward", "reward", "total reward", "Reward of trained trajectories", windows=reward_window)
     per_trajectory("staleness", "staleness", "policy versions behind", "Staleness at training time",
                    float(max_staleness) if isinstance(max_staleness, (int, float)) else None)
     per_trajectory("compression_ratio", "compression_ratio", "naive / compressed context bytes",
