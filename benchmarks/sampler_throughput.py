@@ -7,7 +7,7 @@ batches of --batch (each batch runs to its end), and with continuous batching (-
 a slot refilled as soon as its episode ends: what `sao sampler` does). Part 2: one, then two sampler processes, each rolling out --tasks
 tasks of its own at --batch; they load their models first and start together at a barrier, so
 start-up is not timed. Every process uses one torch thread (what a sampler gets on a 2-core
-machine) and `Roller.start`/`Roller.step`, the code path `sao sampler` runs; Kafka is left out
+machine) and `Roller.start`/`Roller.step` (through `rollout_batch`), the code path `sao sampler` runs; Kafka is left out
 (producing a trajectory takes ~1 ms). Prints trajectories/s and generated tokens/s per process
 and in total, with the ratios against the baseline measured in the same run.
 """
@@ -43,14 +43,7 @@ def _roller(model: str, seed: int):
 
 def continuous(roller, tasks, batch: int) -> list:
     """What `sao sampler` does: keep `batch` episodes live, refilling a slot when one ends."""
-    queue, live, trajectories = list(tasks), [], []
-    while queue or live:
-        while queue and len(live) < batch:
-            live.append(roller.start(queue.pop(0), behaviour_version=0))
-        outcomes = roller.step(live)
-        trajectories += [outcome for outcome in outcomes if outcome is not None]
-        live = [episode for episode, outcome in zip(live, outcomes) if outcome is None]
-    return trajectories
+    return roller.rollout_batch(tasks, behaviour_version=0, slots=batch)
 
 
 def lockstep(roller, tasks, batch: int) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -201,8 +202,7 @@ def _gain_stderr(first: list[float], last: list[float]) -> float | None:
     """Standard error of mean(last) - mean(first), the windows taken as independent samples."""
     if len(first) < 2 or len(last) < 2:
         return None
-    variance = [sum((x - _mean(w)) ** 2 for x in w) / (len(w) - 1) / len(w) for w in (first, last)]
-    return sum(variance) ** 0.5
+    return (statistics.variance(first) / len(first) + statistics.variance(last) / len(last)) ** 0.5
 
 
 def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from sao.schema import Step, Trajectory, encode
+from sao.schema import Memory, Step, Trajectory, encode
 
 TOKEN_BYTES = 4  # token ids travel as int32
 STAGES = ("naive", "semantic", "temporal", "int8")
@@ -72,6 +72,11 @@ def trajectory_context_costs(trajectory: Trajectory) -> dict[str, ContextCost]:
     )
 
 
+def conversation_tokens(prompt_tokens: int, steps: Sequence[Step]) -> int:
+    """Tokens of the conversation stored once: the prompt and each step's observation and action."""
+    return prompt_tokens + sum(len(s.observation_ids) + len(s.action_ids) for s in steps)
+
+
 def naive_context_tokens(prompt_tokens: int, steps: Sequence[Step]) -> int:
     """Tokens a trainer without compression would be sent: every step's full history, again."""
     total, history = 0, prompt_tokens
@@ -93,7 +98,7 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
                  each step's context exactly as the policy saw it;
     message      the whole msgpack message (also behaviour log-probs, ids, timings, framing).
     """
-    history = len(trajectory.prompt_ids) + sum(len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps)
+    history = conversation_tokens(len(trajectory.prompt_ids), trajectory.steps)
     naive = naive_context_tokens(len(trajectory.prompt_ids), trajectory.steps)
     memory = trajectory.memory
     memory_bytes = memory.vectors.nbytes + memory.scales.nbytes + memory.spans.nbytes + memory.reward_sums.nbytes
@@ -107,3 +112,12 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
         "sao": stored_once + memory_bytes + slot_refs,
         "message": len(encode(trajectory)),
     }
+
+
+def compression_stats(prompt_tokens: int, steps: Sequence[Step], memory: Memory) -> dict[str, float]:
+    """What a sampler reports per trajectory: context bytes without compression vs in sao's form
+    (tokens once + INT8 vectors and scales)."""
+    naive = naive_context_tokens(prompt_tokens, steps) * TOKEN_BYTES
+    compressed = conversation_tokens(prompt_tokens, steps) * TOKEN_BYTES + memory.vectors.nbytes + memory.scales.nbytes
+    return {"naive_context_bytes": float(naive), "compressed_context_bytes": float(compressed),
+            "ratio": naive / compressed, "memory_slots": float(len(memory.vectors)), "steps": float(len(steps))}

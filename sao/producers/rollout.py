@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from sao.compression.accounting import compression_stats
 from sao.compression.pipeline import OnlineCompressor
 from sao.compression.semantic import SemanticEncoder
 from sao.compression.temporal import TemporalFilter
@@ -16,14 +17,11 @@ from sao.config import SaoConfig
 from sao.envs.base import Env
 from sao.envs.guard import EnvFailure, call_env
 from sao.envs.registry import GenerationSettings, generation_settings, make_env
-from sao.compression.accounting import naive_context_tokens
 from sao.policy.context import StepInput, step_tokens
 from sao.policy.loading import load_tokenizer
 from sao.policy.model import MemoryPolicy
 from sao.policy.sampling import StopRule
 from sao.schema import Memory, Step, Task, Trajectory
-
-_TOKEN_BYTES = 4  # token ids travel as int32
 
 
 class ChatFormat:
@@ -38,7 +36,7 @@ class ChatFormat:
         self.system_prompt = settings.system_prompt
         turn_end = {tokenizer.eos_token_id, *self._ids_of("<|im_end|>")}
         self.stop = StopRule(frozenset(turn_end), settings.stop, self._decode_ids)
-        self.end_of_turn_ids, self._feedback_template = self._split_feedback_template()
+        self.end_of_turn_ids, self._before_feedback, self._after_feedback = self._split_feedback_turn()
 
     def _ids_of(self, token: str) -> list[int]:
         found = self.tokenizer.convert_tokens_to_ids(token)
@@ -53,8 +51,9 @@ class ChatFormat:
     def _chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def _split_feedback_template(self) -> tuple[np.ndarray, str]:
-        """The end-of-turn marker, and what follows it up to the next assistant header ({}: feedback)."""
+    def _split_feedback_turn(self) -> tuple[np.ndarray, str, str]:
+        """The end-of-turn marker, then the template's text before and after a feedback user turn's
+        content (up to the next assistant header)."""
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         full = self._chat(base + [{"role": "user", "content": "\x00"}], True)
         end_of_answer = full.index("y", len(self._chat(base[:1], True))) + 1
@@ -64,21 +63,24 @@ class ChatFormat:
             if stop and after.startswith(stop):
                 end_of_turn, after = stop, after[len(stop):]
                 break
-        return self._encode(end_of_turn), after.replace("{", "{{").replace("}", "}}").replace("\x00", "{}")
+        before, after = after.split("\x00")
+        return self._encode(end_of_turn), before, after
+
+    def _opening(self, task_text: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
 
     def prompt(self, task_text: str) -> np.ndarray:
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
-        return self._encode(self._chat(messages, generation_prompt=False))
+        return self._encode(self._chat(self._opening(task_text), generation_prompt=False))
 
     def first_observation(self, task_text: str) -> np.ndarray:
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
+        messages = self._opening(task_text)
         return self._encode(self._chat(messages, True)[len(self._chat(messages, False)):])
 
     def feedback_observation(self, feedback: str, action_ids: np.ndarray) -> np.ndarray:
         """The next user turn. An action that ended at its end-of-turn token already closed its
         turn; one cut by a stop string or max_new_tokens gets the marker here, so the chat the
         policy sees (and the trainer rescores) stays well formed."""
-        observation = self._encode(self._feedback_template.format(feedback))
+        observation = self._encode(self._before_feedback + feedback + self._after_feedback)
         closed = len(action_ids) > 0 and int(action_ids[-1]) in self.stop.token_ids
         return observation if closed else np.concatenate([self.end_of_turn_ids, observation])
 
@@ -127,7 +129,7 @@ class Episode:
             self.observation_ids = self.roller.chat.feedback_observation(feedback.observation, action_ids)
 
     def trajectory(self) -> Trajectory:
-        config, steps = self.roller.config, self.steps
+        config, generation, steps = self.roller.config, self.roller.generation, self.steps
         table = self.compressor.memory()
         # Slots become visible in creation order, so the ones no step ever saw form a tail:
         # the episode ended before they left the recent window. They are not sent.
@@ -137,13 +139,12 @@ class Episode:
         return Trajectory(
             trajectory_id=Trajectory.make_id(self.task.task_id, self.task.attempt), task_id=self.task.task_id,
             env=self.task.env, sampler_id=self.roller.sampler_id, behaviour_version=self.behaviour_version,
-            prompt_ids=self.prompt_ids, steps=steps, memory=memory, temperature=config.policy.temperature,
-            top_p=config.policy.top_p,
-            encoder=self.roller.encoder.name, recent_window=config.compression.recent_window,
+            prompt_ids=self.prompt_ids, steps=steps, memory=memory, temperature=generation.temperature,
+            top_p=generation.top_p, encoder=self.roller.encoder.name, recent_window=config.compression.recent_window,
             timings={"rollout_s": time.perf_counter() - self.started, "generate_s": self.generate_s,
                      "encode_s": stages.encode_seconds, "filter_s": stages.filter_seconds,
                      "quantize_s": stages.quantize_seconds},
-            compression={**compression_stats(self.prompt_ids, steps, memory), "memory_ratio": stages.ratio,
+            compression={**compression_stats(len(self.prompt_ids), steps, memory), "memory_ratio": stages.ratio,
                          "kept_steps": float(stages.kept_slots), "merged_steps": float(stages.merged_steps)},
         )
 
@@ -204,30 +205,29 @@ class Roller:
             outcomes.append(episode.trajectory() if episode.done else None)
         return outcomes
 
-    def rollout_batch(self, tasks: list[Task], behaviour_version: int,
-                      greedy: bool = False) -> list[Trajectory | EnvFailure]:
-        """One trajectory per task, in order; a task whose env failed yields its EnvFailure instead."""
+    def rollout_batch(self, tasks: list[Task], behaviour_version: int, greedy: bool = False,
+                      slots: int | None = None) -> list[Trajectory | EnvFailure]:
+        """One trajectory per task, in order; a task whose env failed yields its EnvFailure instead.
+
+        At most `slots` episodes (default: all) are live at once, and a slot is refilled with the
+        next task as soon as its episode ends - the sampler's continuous batching, minus Kafka.
+        """
+        slots = slots or len(tasks)
         results: list[Trajectory | EnvFailure | None] = [None] * len(tasks)
+        waiting = iter(enumerate(tasks))
         live: dict[int, Episode] = {}
-        for index, task in enumerate(tasks):
-            started = self.start(task, behaviour_version)
-            if isinstance(started, EnvFailure):
-                results[index] = started
-            else:
-                live[index] = started
-        while live:
+        while True:
+            while len(live) < slots and (item := next(waiting, None)) is not None:
+                index, task = item
+                started = self.start(task, behaviour_version)
+                if isinstance(started, EnvFailure):
+                    results[index] = started
+                else:
+                    live[index] = started
+            if not live:
+                return results
             indices = list(live)
             for index, outcome in zip(indices, self.step([live[i] for i in indices], greedy)):
                 if outcome is not None:
                     results[index] = outcome
                     del live[index]
-        return results
-
-
-def compression_stats(prompt_ids: np.ndarray, steps: list[Step], memory: Memory) -> dict[str, float]:
-    """Context bytes a trainer would receive without compression vs with sao's representation."""
-    naive = naive_context_tokens(len(prompt_ids), steps) * _TOKEN_BYTES
-    tokens_once = (len(prompt_ids) + sum(len(s.observation_ids) + len(s.action_ids) for s in steps)) * _TOKEN_BYTES
-    compressed = tokens_once + memory.vectors.nbytes + memory.scales.nbytes
-    return {"naive_context_bytes": float(naive), "compressed_context_bytes": float(compressed),
-            "ratio": naive / compressed, "memory_slots": float(len(memory.vectors)), "steps": float(len(steps))}

@@ -188,3 +188,17 @@ def test_humaneval_rollout_feeds_test_results_back(tiny_config, encoder):
         scored = roller.policy(batch)
     for row, step in enumerate(trajectory.steps):
         np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-4)
+
+
+def test_rollout_batch_with_fewer_slots_refills_them_and_keeps_task_order(tiny_config, encoder):
+    from support import turns_env
+
+    config = tiny_config.model_copy(deep=True)
+    config.env.name, config.env.max_turns, config.policy.max_new_tokens = "support.turns_env:TurnsEnv", 5, 3
+    tasks = make_tasks(config.env, 4)  # turns: 1, 3, 1, 1
+    turns_env.EVENTS.clear()
+    results = make_roller(config, encoder).rollout_batch(tasks, 0, slots=2)
+    assert [t.task_id for t in results] == [t.task_id for t in tasks]
+    assert [len(t.steps) for t in results] == [1, 3, 1, 1]
+    events = turns_env.EVENTS
+    assert events.index(("reset", 2)) < len(events) - 1 - events[::-1].index(("step", 1))
