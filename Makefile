@@ -1,4 +1,4 @@
-# Quick start: `make run` (install + one default training run), `make test` (install + tests).
+# Quick start: `make run` (install + one default training run), `make test` (install + lint + tests).
 # `make install` is idempotent: it reinstalls only when pyproject.toml changes.
 
 VENV        ?= .venv
@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-fast clean-runs
+.PHONY: install run lint test test-fast clean-runs
 
 install: $(STAMP)
 
@@ -30,10 +30,17 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(VENV)/bin/sao run
 
-test: install
+# ruff for bugs and import order (not formatting); lint-imports for the package layering in
+# pyproject.toml (CONTRIBUTING.md explains it). Both read the code only; fixing is `ruff check --fix`.
+lint: install
+	$(VENV)/bin/ruff check sao tests benchmarks
+	$(VENV)/bin/lint-imports --no-logo
+
+# Lint first: a broken import rule fails in seconds, before minutes of tests.
+test: install lint
 	$(PY) -m pytest
 
-test-fast: install
+test-fast: install lint
 	$(PY) -m pytest -m "not slow"
 
 clean-runs:

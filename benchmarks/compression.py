@@ -28,19 +28,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from sao.compression.accounting import STAGES, trajectory_bytes, trajectory_context_costs  # noqa: E402
-from sao.compression.episodes import Episode, replay_episode  # noqa: E402
-from sao.compression.pipeline import OnlineCompressor, compress_batch  # noqa: E402
-from sao.compression.semantic import load_encoder  # noqa: E402
-from sao.compression.temporal import load_temporal_filter  # noqa: E402
-from sao.config import EnvConfig  # noqa: E402
-from sao.envs.textworld import TextWorldEnv  # noqa: E402
-from sao.envs.textworld_agents import ExpertAgent, record_episode  # noqa: E402
+from sao.compression.accounting import STAGES, trajectory_bytes, trajectory_context_costs
+from sao.compression.pipeline import OnlineCompressor, compress_batch
+from sao.compression.semantic import load_encoder
+from sao.compression.temporal import load_temporal_filter
+from sao.config import EnvConfig
+from sao.envs.textworld import TextWorldEnv
+from sao.envs.textworld_agents import ExpertAgent
+from sao.offline.episodes import (
+    Episode,
+    record_episode,
+    replay_episode,
+)
 
 console = Console(width=None if os.isatty(1) else 120)
 SYSTEM_PROMPT = "You explore a text labyrinth. Reply with exactly one command."
@@ -372,12 +376,10 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    from sao.envs.registry import GenerationSettings
+    from sao.policy.chat import ChatFormat
     from sao.policy.loading import load_tokenizer
-    from sao.producers.rollout import ChatFormat
 
-    settings = GenerationSettings(SYSTEM_PROMPT, max_new_tokens=16, temperature=1.0, top_p=1.0, stop=())
-    chat = ChatFormat(load_tokenizer("smollm2-135m-instruct", "~/.cache/sao/models"), settings)
+    chat = ChatFormat(load_tokenizer("smollm2-135m-instruct", "~/.cache/sao/models"), SYSTEM_PROMPT)
     encoder = load_encoder(args.encoder)
     temporal_filter = load_temporal_filter(args.temporal_weights)
     long_episodes, short_episodes = record(args)

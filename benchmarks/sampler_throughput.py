@@ -4,7 +4,8 @@
 
 Part 1, in this process: the same tasks rolled out one at a time (rollout_batch 1), in lockstep
 batches of --batch (each batch runs to its end), and with continuous batching (--batch slots,
-a slot refilled as soon as its episode ends: what `sao sampler` does). Part 2: one, then two sampler processes, each rolling out --tasks
+a slot refilled as soon as its episode ends: what `sao sampler` does).
+Part 2: one, then two sampler processes, each rolling out --tasks
 tasks of its own at --batch; they load their models first and start together at a barrier, so
 start-up is not timed. Every process uses one torch thread (what a sampler gets on a 2-core
 machine) and `Roller.start`/`Roller.step` (through `rollout_batch`), the code path `sao sampler` runs; Kafka is left out
@@ -32,7 +33,7 @@ def _roller(model: str, seed: int):
     from sao.compression.temporal import load_temporal_filter
     from sao.config import load_config
     from sao.policy.weights import build_policy, place_for_sampling
-    from sao.producers.rollout import Roller
+    from sao.sampler.rollout import Roller
 
     torch.set_num_threads(1)
     config = load_config(overrides=[f'policy.model="{model}"'], environ={})
@@ -114,7 +115,8 @@ def main() -> None:
     for column in ("rollout_batch", "batching", "trajectories/s", "tokens/s", "seconds", "mean reward"):
         table.add_column(column, justify="right")
     for r in in_process:
-        table.add_row(str(r["batch"]), r["mode"] if r["batch"] > 1 else "-", f"{r['trajectories_per_s']:.3f}", f"{r['tokens_per_s']:.1f}",
+        table.add_row(str(r["batch"]), r["mode"] if r["batch"] > 1 else "-", f"{r['trajectories_per_s']:.3f}",
+                      f"{r['tokens_per_s']:.1f}",
                       f"{r['seconds']:.1f}", f"{r['mean_reward']:.3f}")
     console.print(table)
     table = Table(title=f"sampler processes, rollout_batch {args.batch}, {args.tasks} tasks each, 1 torch thread each")

@@ -30,12 +30,12 @@ def worker(model: str, out: Path) -> None:
     import torch
 
     from sao.config import load_config
+    from sao.policy.weights import build_policy
     from sao.schema import Memory, Step, Trajectory
     from sao.trainer.baselines import RewardBaseline
     from sao.trainer.batch import plan_batch, rank_loss
     from sao.trainer.distributed import rank, world_size
     from sao.trainer.engine import build_engine, memory_per_rank, shutdown
-    from sao.policy.weights import build_policy
 
     torch.set_num_threads(1)
     config = load_config(overrides=[f'policy.model="{model}"', "trainer.batch_size=4"], environ={})

@@ -10,19 +10,19 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import typer  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.logging import RichHandler  # noqa: E402
-from rich.table import Table  # noqa: E402
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
 
-from sao.compression.cli import compression_app  # noqa: E402
-from sao.config import ConfigError, SaoConfig, load_config, to_toml  # noqa: E402
+from sao.config import ConfigError, SaoConfig, load_config, to_toml
+from sao.offline.compression_cli import compression_app
 
 app = typer.Typer(help="Asynchronous single-trajectory RL post-training through Kafka.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -33,11 +33,11 @@ app.add_typer(config_app, name="config")
 app.add_typer(compression_app, name="compression")
 console = Console(stderr=True)
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any knob: section.knob=value.")]
-BootstrapOpt = Annotated[Optional[str], typer.Option(help="Kafka bootstrap servers (default: broker.bootstrap_servers).")]
-RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (logs, weights, checkpoints, summary).")]
-MetricsPortOpt = Annotated[Optional[int], typer.Option(help="Port of this process's /metrics; 0 disables it.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any knob: section.knob=value.")]
+BootstrapOpt = Annotated[str | None, typer.Option(help="Kafka bootstrap servers (default: broker.bootstrap_servers).")]
+RunDirOpt = Annotated[Path | None, typer.Option(help="Run directory (logs, weights, checkpoints, summary).")]
+MetricsPortOpt = Annotated[int | None, typer.Option(help="Port of this process's /metrics; 0 disables it.")]
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -86,11 +86,11 @@ def _bootstrap(config: SaoConfig, flag: str | None) -> str:
 @app.command()
 def run(config: ConfigOpt = None, set_: SetOpt = None,
         run_dir: RunDirOpt = None,
-        num_tasks: Annotated[Optional[int], typer.Option(help="run.num_tasks")] = None,
-        samplers: Annotated[Optional[int], typer.Option(help="sampler.num_samplers")] = None,
-        model: Annotated[Optional[str], typer.Option("--policy-model", "--model",
-                                                     help="policy.model: smollm2-135m-instruct, tiny or an HF model path")] = None,
-        env: Annotated[Optional[str], typer.Option(help="env.name: a built-in or package.module:Class")] = None,
+        num_tasks: Annotated[int | None, typer.Option(help="run.num_tasks")] = None,
+        samplers: Annotated[int | None, typer.Option(help="sampler.num_samplers")] = None,
+        model: Annotated[str | None, typer.Option(
+            "--policy-model", "--model", help="policy.model: smollm2-135m-instruct, tiny or an HF model path")] = None,
+        env: Annotated[str | None, typer.Option(help="env.name: a built-in or package.module:Class")] = None,
         bootstrap_servers: BootstrapOpt = None, metrics_port: MetricsPortOpt = None) -> None:
     """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""
     _setup_logging()
@@ -100,11 +100,13 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
                                    "metrics.launcher_port": metrics_port})
     _serve_metrics(cfg, cfg.metrics.launcher_port, "launcher")
     from sao.envs.registry import UnknownEnv
-    from sao.launcher import RunFailed, run as run_loop
+    from sao.feeder import TasksNotAcknowledged
+    from sao.launcher import RunFailed
+    from sao.launcher import run as run_loop
 
     try:
         run_loop(cfg, console)
-    except (RunFailed, UnknownEnv) as err:
+    except (RunFailed, UnknownEnv, TasksNotAcknowledged) as err:
         console.print(f"[red]run failed:[/] {err}")
         raise typer.Exit(1) from err
 
@@ -113,15 +115,16 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
 def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
             sampler_id: Annotated[str, typer.Option(help="Name of this sampler in logs and trajectories.")] = "sampler-0",
             run_dir: RunDirOpt = None,
-            max_tasks: Annotated[Optional[int], typer.Option(help="Exit after this many tasks.")] = None,
+            max_tasks: Annotated[int | None, typer.Option(help="Exit after this many tasks.")] = None,
             metrics_port: MetricsPortOpt = None) -> None:
     """Consume tasks, roll out one trajectory each, compress, produce; reload new policies."""
     _setup_logging()
     cfg = _config(config, set_, **{"metrics.sampler_port": metrics_port})
     _serve_metrics(cfg, cfg.metrics.sampler_port, "sampler")
-    from sao.producers.sampler import Sampler
+    from sao.run_dir import RunDir
+    from sao.sampler.loop import Sampler
 
-    status = run_dir / "status" / f"{sampler_id}.json" if run_dir else None
+    status = RunDir(run_dir).status(sampler_id) if run_dir else None
     Sampler(cfg, _bootstrap(cfg, bootstrap_servers), sampler_id, status).run(max_tasks)
 
 
@@ -129,7 +132,7 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
 def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
             run_dir: Annotated[Path, typer.Option(help="Weights, checkpoints and status go here.")] = Path("runs/trainer"),
             resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint in run-dir.")] = False,
-            expect: Annotated[Optional[int], typer.Option(help="Exit after this many trajectories are handled.")] = None,
+            expect: Annotated[int | None, typer.Option(help="Exit after this many trajectories are handled.")] = None,
             metrics_port: MetricsPortOpt = None) -> None:
     """Consume trajectories and train the policy with DeepSpeed ZeRO-3; publish versions."""
     _setup_logging()
@@ -144,12 +147,12 @@ def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
 
 @app.command()
 def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
-         num_tasks: Annotated[Optional[int], typer.Option(help="run.num_tasks")] = None,
+         num_tasks: Annotated[int | None, typer.Option(help="run.num_tasks")] = None,
          start_index: Annotated[int, typer.Option(help="First dataset index.")] = 0) -> None:
     """Send tasks to the tasks topic."""
     _setup_logging()
     cfg = _config(config, set_, **{"run.num_tasks": num_tasks})
-    from sao.launcher import feed_tasks
+    from sao.feeder import feed_tasks
 
     sent = feed_tasks(cfg, _bootstrap(cfg, bootstrap_servers), cfg.run.num_tasks, start_index)
     console.print(f"fed {sent} tasks to {cfg.topics.tasks}")
@@ -159,8 +162,7 @@ def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Boots
 def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None) -> None:
     """Create sao's topics (idempotent) with the configured partition counts."""
     cfg = _config(config, set_)
-    from sao.launcher import topic_partitions
-    from sao.transport.topics import ensure_topics
+    from sao.transport.topics import ensure_topics, topic_partitions
 
     wanted = topic_partitions(cfg)
     ensure_topics(_bootstrap(cfg, bootstrap_servers), wanted)
@@ -230,7 +232,7 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
     """Score one policy version on held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
     cfg = _config(config, set_)
-    from sao.evaluation import evaluate
+    from sao.sampler.evaluation import evaluate
 
     try:
         result = evaluate(cfg, run_dir, version, num_tasks, greedy)

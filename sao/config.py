@@ -8,10 +8,10 @@ section.knob=value` flags < dedicated CLI flags. A wrong value fails at start na
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
@@ -39,7 +39,8 @@ class TopicsConfig(Section):
 class SandboxConfig(Section):
     """Limits of the subprocess that runs generated code (the humaneval env's unit tests)."""
 
-    cpu_time_s: float = Field(5.0, gt=0, description="CPU seconds each process of the program may use (RLIMIT_CPU is per process; wall_time_s bounds them all).")
+    cpu_time_s: float = Field(5.0, gt=0, description="CPU seconds each process of the program may use "
+                              "(RLIMIT_CPU is per process; wall_time_s bounds them all).")
     wall_time_s: float = Field(10.0, gt=0, description="Wall-clock seconds before the program and all it spawned are killed.")
     memory_mb: int = Field(512, ge=64, description="Address space per process, MiB (RLIMIT_AS).")
     max_processes: int = Field(16, ge=1, description="Processes the program may have at once (RLIMIT_NPROC of its own uid).")
@@ -49,7 +50,8 @@ class SandboxConfig(Section):
 
 
 class EnvConfig(Section):
-    name: str = Field("arithmetic", description="Built-in env name, or `package.module:Class` of your own (see sao/envs/registry.py).")
+    name: str = Field("arithmetic", description="Built-in env name, or `package.module:Class` of your own "
+                      "(see sao/envs/registry.py).")
     dataset: str = Field("basic_arithmetic", description="reasoning-gym dataset the tasks come from.")
     dataset_options: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
@@ -84,7 +86,8 @@ class PolicyConfig(Section):
         1.0, gt=0, le=1, description="Nucleus sampling: draw from the smallest set of tokens holding this much "
                                      "probability. Behaviour log-probs are those of that truncated distribution, so "
                                      "below 1 the importance ratio pi/mu is honestly < 1 even on-policy.")
-    max_new_tokens: int | None = Field(None, ge=1, description="Tokens per action at most; unset = the env's own (arithmetic 24).")
+    max_new_tokens: int | None = Field(None, ge=1,
+                                       description="Tokens per action at most; unset = the env's own (arithmetic 24).")
     stop: list[str] | None = Field(
         None, description="Stop strings: an action ends with the token that completes one of them (it is kept); "
                           "unset = the env's own (usually none). End-of-turn tokens always stop.")
@@ -93,10 +96,12 @@ class PolicyConfig(Section):
 
 
 class CompressionConfig(Section):
-    encoder: str = Field("default", description="sentence-transformers model path or name; `default` = packaged all-MiniLM-L6-v2.")
+    encoder: str = Field("default",
+                         description="sentence-transformers model path or name; `default` = packaged all-MiniLM-L6-v2.")
     temporal_weights: str | None = Field(None, description="LSTM redundancy filter weights; unset = the shipped default.")
     keep_threshold: float | None = Field(
-        None, ge=0, le=2, description="Keep a step whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
+        None, ge=0, le=2,
+        description="Keep a step whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
     recent_window: int = Field(
         0, ge=0, description="Latest finished steps given in full text rather than as memory (0: every earlier "
                              "step reaches the policy only as compressed memory).")

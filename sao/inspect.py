@@ -27,7 +27,7 @@ def inspect_topic(config: SaoConfig, bootstrap: str, what: str, limit: int) -> T
             table.add_column(column)
         for msg in messages:
             ann = decode(msg.value(), PolicyAnnouncement)
-            table.add_row(str(ann.version), str(ann.trainer_step), str(ann.num_bytes), ann.sha256[:12], ann.weights_path)
+            table.add_row(str(ann.policy_version), str(ann.trainer_step), str(ann.num_bytes), ann.sha256[:12], ann.weights_path)
         return table
     for column in ("partition@offset", "trajectory", "sampler", "v_b", "steps", "reward", "memory", "ratio", "bytes"):
         table.add_column(column)

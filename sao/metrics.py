@@ -10,14 +10,15 @@ name they use is defined here.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from sao.schema import Trajectory
+    from sao.status import StepRecord
 
 DLQ_MESSAGES = Counter(
     "sao_dlq_messages_total",
@@ -160,49 +161,41 @@ def record_trainer_start(*, max_staleness: int, policy_version: int) -> None:
     TRAINER_LAST_STEP.set_to_current_time()  # a trainer that never steps shows up as stalled
 
 
-def record_trainer_step(*, wait_s: float, forward_backward_s: float, optimizer_s: float, publish_s: float,
-                        loss: float, rewards: Sequence[float], advantages: Sequence[float], grad_norm: float | None,
-                        ratio_mean: float, ratio_abs_dev: float, clip_fraction: float, kl_k3: float,
-                        staleness: Sequence[int], sampling_to_training_s: Sequence[float],
-                        policy_version: int) -> dict[str, float]:
-    """Record one optimizer step; returns the per-step figures worth keeping in the trainer's history.
-
-    `rewards`, `advantages`, `staleness` and `sampling_to_training_s` have one entry per trajectory
-    of the batch; `grad_norm` is the norm before clipping (None when the engine has none).
-    """
-    phases = {"wait": wait_s, "forward_backward": forward_backward_s, "optimizer": optimizer_s, "publish": publish_s}
-    step_s = sum(phases.values())
-    busy_fraction = (step_s - wait_s) / step_s if step_s > 0 else 1.0
+def export_trainer_step(record: StepRecord) -> None:
+    """Export one optimizer step's figures, as the trainer computed them."""
+    phases = {"wait": record.wait_s, "forward_backward": record.forward_backward_s,
+              "optimizer": record.optimizer_s, "publish": record.publish_s}
     for phase, seconds in phases.items():
         TRAINER_PHASE_SECONDS.labels(phase=phase).observe(seconds)
-    TRAINER_STEP_SECONDS.observe(step_s)
-    TRAINER_BUSY_FRACTION.set(busy_fraction)
+    TRAINER_STEP_SECONDS.observe(sum(phases.values()))
+    TRAINER_BUSY_FRACTION.set(record.busy_fraction)
     TRAINER_STEPS.inc()
-    TRAINER_TRAJECTORIES.inc(len(rewards))
+    TRAINER_TRAJECTORIES.inc(record.batch_size)
     TRAINER_LAST_STEP.set_to_current_time()
-    TRAINER_POLICY_VERSION.set(policy_version)
-    TRAINER_LOSS.set(loss)
-    for reward in rewards:
+    TRAINER_LOSS.set(record.loss)
+    for reward in record.rewards:
         TRAINER_REWARD.observe(reward)
+    advantages = record.advantages
     if advantages:
         mean = sum(advantages) / len(advantages)
         std = (sum((a - mean) ** 2 for a in advantages) / len(advantages)) ** 0.5
         for stat, value in (("mean", mean), ("std", std), ("min", min(advantages)), ("max", max(advantages))):
             TRAINER_ADVANTAGE.labels(stat=stat).set(value)
-    if grad_norm is not None:
-        TRAINER_GRAD_NORM.set(grad_norm)
-    TRAINER_RATIO.labels(stat="mean").set(ratio_mean)
-    TRAINER_RATIO.labels(stat="abs_dev").set(ratio_abs_dev)
-    TRAINER_RATIO.labels(stat="clip_fraction").set(clip_fraction)
-    TRAINER_KL.set(kl_k3)
-    for versions in staleness:
+    if math.isfinite(record.grad_norm):
+        TRAINER_GRAD_NORM.set(record.grad_norm)
+    TRAINER_RATIO.labels(stat="mean").set(record.ratio_mean)
+    TRAINER_RATIO.labels(stat="abs_dev").set(record.ratio_abs_dev)
+    TRAINER_RATIO.labels(stat="clip_fraction").set(record.clip_fraction)
+    TRAINER_KL.set(record.kl_k3)
+    for versions in record.staleness:
         TRAINER_STALENESS.observe(versions)
-    for delay in sampling_to_training_s:
+    for delay in record.sampling_to_training_s:
         TRAINER_SAMPLING_TO_TRAINING.observe(max(0.0, delay))
-    delays = list(sampling_to_training_s)
-    return {"batch_size": float(len(rewards)), "wait_s": wait_s, "forward_backward_s": forward_backward_s,
-            "optimizer_s": optimizer_s, "publish_s": publish_s, "busy_fraction": busy_fraction,
-            "sampling_to_training_s": sum(delays) / len(delays) if delays else float("nan")}
+
+
+def record_policy_published(version: int) -> None:
+    """The trainer announced policy `version`."""
+    TRAINER_POLICY_VERSION.set(version)
 
 
 def record_checkpoint(seconds: float) -> None:

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import REGISTRY, CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
-from prometheus_client import start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.metrics import MetricWrapperBase
 
 import sao.metrics

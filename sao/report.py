@@ -1,41 +1,45 @@
 """End-of-run report: `report.md` and PNG plots in the run directory, from what the run recorded.
 
 Reads only files: `summary.json`, `config.toml` and the progress files in `status/` (the
-trainer's `history` holds per-trajectory and per-step series). So it works on any run
+trainer's holds its `StepRecord`s). `build_summary` makes `summary.json` from the same files. So it works on any run
 directory, also after the fact: `python -m sao.report RUN_DIR`. Series a run did not record
 are left out of the text, and their plot says so, rather than failing the report.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import statistics
 import sys
-import tomllib
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sao.status import read_all_status, read_status
+import tomllib
+from rich.table import Table
+
+from sao.config import SaoConfig
+from sao.run_dir import RunDir
+from sao.status import StepRecord, per_trajectory, read_all_status, read_status, trainer_steps
 
 PLOTS = ("reward", "throughput", "staleness", "compression_ratio", "training")
 
 
 def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
     """Write `run_dir/report.md` and `run_dir/plots/*.png`; return the report's path."""
-    run_dir = Path(run_dir)
+    layout = RunDir(run_dir)
     if summary is None:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    trainer = read_status(run_dir / "status" / "trainer.json")
-    samplers = read_all_status(run_dir / "status", "sampler-")
-    history = trainer.get("history", {})
-    max_staleness = _config_value(run_dir, "trainer", "max_staleness")
-    plots_dir = run_dir / "plots"
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    _plot_all(history, max_staleness, plots_dir, summary.get("reward_window_size"))
-    path = run_dir / "report.md"
-    path.write_text(_markdown(run_dir, summary, trainer, samplers, history, max_staleness))
-    return path
+        summary = json.loads(layout.summary.read_text())
+    trainer = read_status(layout.status("trainer"))
+    samplers = read_all_status(layout.status_dir, "sampler-")
+    steps = trainer_steps(trainer)
+    max_staleness = _config_value(layout, "trainer", "max_staleness")
+    layout.plots.mkdir(parents=True, exist_ok=True)
+    _plot_all(steps, max_staleness, layout.plots, summary.get("reward_window_size"))
+    layout.report.write_text(_markdown(layout.root, summary, trainer, samplers, steps, max_staleness))
+    return layout.report
 
 
 # --- series ------------------------------------------------------------------------------------
@@ -44,7 +48,8 @@ def _finite(values: list[Any]) -> list[float]:
     return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
 
 
-def _mean(values: list[Any]) -> float | None:
+def mean(values: list[Any]) -> float | None:
+    """Mean of the finite values (NaN, inf and None are left out); None when there are none."""
     finite = _finite(values)
     return sum(finite) / len(finite) if finite else None
 
@@ -62,29 +67,15 @@ def _window(count: int) -> int:
     return max(1, count // 10)
 
 
-def _cumulative_trajectories(history: dict[str, list]) -> list[float]:
-    """Trajectories trained after each step: exact with per-step batch sizes, else spread evenly."""
-    steps = len(history.get("trained_at", []))
-    sizes = history.get("batch_size", [])
-    if len(sizes) == steps:
-        total, out = 0.0, []
-        for size in sizes:
-            total += size
-            out.append(total)
-        return out
-    trained = len(history.get("reward", []))
-    return [trained * (i + 1) / steps for i in range(steps)]
-
-
-def _throughput(history: dict[str, list]) -> tuple[list[float], list[float], list[float]]:
+def _throughput(steps: list[StepRecord]) -> tuple[list[float], list[float], list[float]]:
     """(seconds since the first step, cumulative trajectories, trajectories/s since the previous step).
 
     The first step has no previous one, so its rate is NaN (not plotted).
     """
-    trained_at = _finite(history.get("trained_at", []))
-    if not trained_at:
+    if not steps:
         return [], [], []
-    cumulative = _cumulative_trajectories(history)[:len(trained_at)]
+    trained_at = [record.trained_at for record in steps]
+    cumulative = list(itertools.accumulate(record.batch_size for record in steps))
     elapsed = [t - trained_at[0] for t in trained_at]
     rates = [float("nan")]
     for i in range(1, len(trained_at)):
@@ -93,18 +84,76 @@ def _throughput(history: dict[str, list]) -> tuple[list[float], list[float], lis
     return elapsed, cumulative, rates
 
 
+# --- summary -----------------------------------------------------------------------------------
+
+def _gain_stderr(first: list[float], last: list[float]) -> float | None:
+    """Standard error of mean(last) - mean(first), the windows taken as independent samples."""
+    if len(first) < 2 or len(last) < 2:
+        return None
+    return (statistics.variance(first) / len(first) + statistics.variance(last) / len(last)) ** 0.5
+
+
+def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
+    """The run's figures, from the progress files: what `sao run` prints and writes to summary.json."""
+    layout = RunDir(run_dir)
+    samplers = read_all_status(layout.status_dir, "sampler-")
+    trainer = read_status(layout.status("trainer"))
+    steps = trainer_steps(trainer)
+    rewards = per_trajectory(steps, "rewards")
+    window = max(1, int(len(rewards) * config.run.reward_window))
+    versions = per_trajectory(steps, "behaviour_versions")
+    first, last = mean(rewards[:window]), mean(rewards[-window:])
+    return {
+        "trajectories_produced": sum(s.get("produced", 0) for s in samplers.values()),
+        "trajectories_trained": len(rewards),
+        "duplicates_dropped": trainer.get("duplicates", 0),
+        "tasks_fed": config.run.num_tasks,
+        "algorithm": "sao" if config.trainer.algorithm == "sao" else f"grpo (group {config.trainer.group_size})",
+        "trainer_steps": trainer.get("step", 0),
+        "policy_version": trainer.get("policy_version", 0),
+        "max_behaviour_version": max(versions, default=0),
+        "trajectories_from_reloaded_policy": sum(1 for v in versions if v > 0),
+        "sampler_reloads": sum(s.get("reloads", 0) for s in samplers.values()),
+        "reward_first_window": first,
+        "reward_last_window": last,
+        "reward_window_size": window,
+        "reward_gain": None if not rewards else last - first,
+        "reward_gain_stderr": _gain_stderr(rewards[:window], rewards[-window:]),
+        "compression_ratio": mean(per_trajectory(steps, "compression_ratios")),
+        "importance_ratio_mean": mean([r.ratio_mean for r in steps]),
+        "importance_ratio_abs_dev_mean": mean([r.ratio_abs_dev for r in steps]),
+        "grad_norm_mean": mean([r.grad_norm for r in steps]),
+        "staleness_mean": mean(per_trajectory(steps, "staleness")),
+        "dead_lettered": trainer.get("dead_lettered", 0) + sum(s.get("dead_lettered", 0) for s in samplers.values()),
+        "trainer_wait_s": trainer.get("wait_s"),
+        "trainer_step_s_mean": mean([r.step_s for r in steps]),
+        "duration_s": duration_s,
+        "model": config.policy.model,
+    }
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title="sao run summary", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        table.add_row(key, text)
+    return table
+
+
 # --- plots -------------------------------------------------------------------------------------
 
-def _plot_all(history: dict[str, list], max_staleness: Any, plots_dir: Path, reward_window: int | None = None) -> None:
+def _plot_all(steps: list[StepRecord], max_staleness: Any, plots_dir: Path, reward_window: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
 
-    def per_trajectory(name: str, key: str, ylabel: str, title: str, budget: float | None = None,
+    def plot_series(name: str, key: str, ylabel: str, title: str, budget: float | None = None,
                        windows: int | None = None) -> None:
         fig, ax = plt.subplots(figsize=(8, 4))
-        values = _finite(history.get(key, []))
+        values = _finite(per_trajectory(steps, key))
         if values:
             x = list(range(1, len(values) + 1))
             ax.plot(x, values, ".", alpha=0.35, label="per trajectory")
@@ -124,14 +173,14 @@ def _plot_all(history: dict[str, list], max_staleness: Any, plots_dir: Path, rew
         ax.set_title(title)
         _save(fig, plots_dir / f"{name}.png", plt)
 
-    per_trajectory("reward", "reward", "total reward", "Reward of trained trajectories", windows=reward_window)
-    per_trajectory("staleness", "staleness", "policy versions behind", "Staleness at training time",
-                   float(max_staleness) if isinstance(max_staleness, (int, float)) else None)
-    per_trajectory("compression_ratio", "compression_ratio", "naive / compressed context bytes",
-                   "Context compression ratio")
+    plot_series("reward", "rewards", "total reward", "Reward of trained trajectories", windows=reward_window)
+    plot_series("staleness", "staleness", "policy versions behind", "Staleness at training time",
+                float(max_staleness) if isinstance(max_staleness, (int, float)) else None)
+    plot_series("compression_ratio", "compression_ratios", "naive / compressed context bytes",
+                "Context compression ratio")
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    elapsed, cumulative, rates = _throughput(history)
+    elapsed, cumulative, rates = _throughput(steps)
     if elapsed:
         top.plot(elapsed, cumulative, "-o", markersize=3)
         top.set_ylabel("trajectories trained")
@@ -149,7 +198,7 @@ def _plot_all(history: dict[str, list], max_staleness: Any, plots_dir: Path, rew
     series = [("loss", "loss"), ("grad_norm", "grad norm (before clipping)"), ("ratio_abs_dev", "mean |rho - 1|")]
     fig, axes = plt.subplots(len(series), 1, figsize=(8, 7), sharex=True)
     for ax, (key, label) in zip(axes, series):
-        values = history.get(key, [])
+        values = [getattr(record, key) for record in steps]
         if _finite(values):
             ax.plot(range(1, len(values) + 1), [v if isinstance(v, (int, float)) else float("nan") for v in values],
                     "-o", markersize=3)
@@ -181,19 +230,19 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _config_value(run_dir: Path, section: str, key: str) -> Any:
+def _config_value(run_dir: RunDir, section: str, key: str) -> Any:
     try:
-        return tomllib.loads((run_dir / "config.toml").read_text()).get(section, {}).get(key)
+        return tomllib.loads(run_dir.config.read_text()).get(section, {}).get(key)
     except (FileNotFoundError, tomllib.TOMLDecodeError):
         return None
 
 
 def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], samplers: dict[str, dict],
-              history: dict[str, list], max_staleness: Any) -> str:
+              steps: list[StepRecord], max_staleness: Any) -> str:
     duration = summary.get("duration_s")
     trained = summary.get("trajectories_trained")
     rate = trained / duration if isinstance(trained, (int, float)) and duration else None
-    staleness = _finite(history.get("staleness", []))
+    staleness = _finite(per_trajectory(steps, "staleness"))
     lines = [
         f"# sao run report: {run_dir.name}",
         "",
@@ -223,7 +272,7 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         f"{_fmt(trained)} trajectories trained in {_fmt(duration)} s ({_fmt(rate)} per second overall); "
         f"mean trainer step {_fmt(summary.get('trainer_step_s_mean'))} s, "
         f"{_fmt(summary.get('trainer_wait_s'))} s waiting for data in all"
-        + (f", busy {_fmt(_mean(history['busy_fraction']))} of the time." if history.get("busy_fraction") else "."),
+        + (f", busy {_fmt(mean([r.busy_fraction for r in steps]))} of the time." if steps else "."),
         "",
         "## Staleness",
         "",
@@ -271,4 +320,4 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m sao.report RUN_DIR  (rewrites RUN_DIR/report.md and RUN_DIR/plots/)")
-    print(write_report(Path(sys.argv[1])))
+    print(write_report(Path(sys.argv[1])))  # noqa: T201 - the command's output

@@ -252,9 +252,12 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class PolicyAnnouncement:
-    """A new policy version: where its safetensors weights are and their sha256."""
+    """A new policy version: where its safetensors weights are and their sha256.
 
-    version: int
+    `policy_version` travels as the wire field `version` (docs/wire-format.md).
+    """
+
+    policy_version: int
     weights_path: str
     sha256: str
     num_bytes: int
@@ -262,14 +265,14 @@ class PolicyAnnouncement:
     created_at: float = field(default_factory=time.time)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "weights_path": self.weights_path, "sha256": self.sha256,
+        return {"version": self.policy_version, "weights_path": self.weights_path, "sha256": self.sha256,
                 "num_bytes": self.num_bytes, "trainer_step": self.trainer_step, "created_at": self.created_at}
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> PolicyAnnouncement:
         sha = _get(obj, "sha256", str)
         _require(len(sha) == 64, "sha256", "expected 64 hex characters")
-        return cls(version=_get(obj, "version", int), weights_path=_get(obj, "weights_path", str), sha256=sha,
+        return cls(policy_version=_get(obj, "version", int), weights_path=_get(obj, "weights_path", str), sha256=sha,
                    num_bytes=_get(obj, "num_bytes", int), trainer_step=_get(obj, "trainer_step", int),
                    created_at=float(_get(obj, "created_at", (int, float))))
 

@@ -42,7 +42,8 @@ def encoder():
 @pytest.fixture(scope="session")
 def chat(tiny_config):
     from sao.envs.registry import generation_settings
+    from sao.policy.chat import ChatFormat
     from sao.policy.loading import load_tokenizer
-    from sao.producers.rollout import ChatFormat
 
-    return ChatFormat(load_tokenizer("tiny", tiny_config.policy.cache_dir), generation_settings(tiny_config))
+    settings = generation_settings(tiny_config)
+    return ChatFormat(load_tokenizer("tiny", tiny_config.policy.cache_dir), settings.system_prompt, settings.stop)

@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from sao import metrics
 from sao.config import MetricsConfig
 from sao.observability import registry_for, serve_metrics, start_metrics_server
+from support.records import step_record
 
 
 def _value(name: str, **labels: str) -> float:
@@ -67,25 +68,28 @@ def test_a_busy_port_or_port_zero_disables_the_endpoint_without_failing(caplog):
     assert "cannot serve metrics" in caplog.text
 
 
-def test_record_trainer_step_exports_every_figure_and_returns_history_fields():
+def test_export_trainer_step_exports_every_figure_of_the_record():
     steps = _value("sao_trainer_steps_total")
     stale_8 = _value("sao_trainer_staleness_versions_bucket", le="8.0")
-    fields = metrics.record_trainer_step(
-        wait_s=1.0, forward_backward_s=2.0, optimizer_s=0.5, publish_s=0.5, loss=0.25,
-        rewards=[1.0, 0.0, 1.0], advantages=[1.0, -1.0, 0.0], grad_norm=3.5, ratio_mean=1.01,
-        ratio_abs_dev=0.02, clip_fraction=0.1, kl_k3=0.001, staleness=[0, 1, 9],
-        sampling_to_training_s=[2.0, 4.0, 6.0], policy_version=7)
-    assert fields["busy_fraction"] == 0.75 and fields["batch_size"] == 3 and fields["sampling_to_training_s"] == 4.0
+    trajectories = _value("sao_trainer_trajectories_total")
+    record = step_record()
+    assert record.busy_fraction == 0.75 and record.batch_size == 3
+    metrics.export_trainer_step(record)
     assert _value("sao_trainer_steps_total") == steps + 1
+    assert _value("sao_trainer_trajectories_total") == trajectories + 3
     assert _value("sao_trainer_busy_fraction") == 0.75
-    assert _value("sao_trainer_policy_version") == 7
     assert _value("sao_trainer_grad_norm") == 3.5
     assert _value("sao_trainer_importance_ratio", stat="clip_fraction") == 0.1
     assert math.isclose(_value("sao_trainer_advantage", stat="std"), math.sqrt(2 / 3))
     assert _value("sao_trainer_staleness_versions_bucket", le="8.0") == stale_8 + 2  # 9 is over
     assert _value("sao_trainer_phase_seconds_sum", phase="forward_backward") >= 2.0
+    metrics.export_trainer_step(step_record(grad_norm=float("nan")))  # no norm: the gauge keeps its last value
+    assert _value("sao_trainer_grad_norm") == 3.5
+    metrics.record_policy_published(8)
+    assert _value("sao_trainer_policy_version") == 8
     metrics.record_trainer_start(max_staleness=8, policy_version=7)
     assert _value("sao_trainer_staleness_budget_versions") == 8
+    assert _value("sao_trainer_policy_version") == 7
 
 
 def test_record_rollout_exports_sampler_and_compression_figures():

@@ -2,30 +2,29 @@
 
 import json
 import random
+from dataclasses import asdict
 
-from sao.report import PLOTS, write_report
+from sao.config import SaoConfig
+from sao.report import PLOTS, build_summary, write_report
 from sao.status import write_status
+from support.records import step_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _synthetic_run(run_dir, with_hook_fields: bool) -> dict:
+def _synthetic_run(run_dir) -> dict:
     rng = random.Random(0)
     steps, batch = 6, 4
-    history = {
-        "reward": [rng.random() for _ in range(steps * batch)],
-        "staleness": [rng.randint(0, 2) for _ in range(steps * batch)],
-        "behaviour_version": [i // batch for i in range(steps * batch)],
-        "compression_ratio": [2 + rng.random() for _ in range(steps * batch)],
-        "loss": [0.1 * i for i in range(steps)], "grad_norm": [1.0] * (steps - 1) + [float("nan")],
-        "ratio_mean": [1.0] * steps, "ratio_abs_dev": [1e-3] * steps, "clip_fraction": [0.0] * steps,
-        "kl_k3": [0.0] * steps, "step_s": [2.0] * steps, "trained_at": [1000.0 + 3 * i for i in range(steps)],
-    }
-    if with_hook_fields:
-        history |= {"batch_size": [float(batch)] * steps, "busy_fraction": [0.75] * steps}
+    records = [step_record(step=i + 1, policy_version=i, trained_at=1000.0 + 3 * i,
+                           rewards=[rng.random() for _ in range(batch)], advantages=[0.0] * batch,
+                           staleness=[rng.randint(0, 2) for _ in range(batch)], behaviour_versions=[i] * batch,
+                           compression_ratios=[2 + rng.random() for _ in range(batch)],
+                           sampling_to_training_s=[1.0] * batch, loss=0.1 * i,
+                           grad_norm=float("nan") if i == steps - 1 else 1.0)
+               for i in range(steps)]
     write_status(run_dir / "status" / "trainer.json",
                  {"step": steps, "policy_version": steps, "too_stale": 1, "dlq_reasons": {"too-stale": 1},
-                  "history": history})
+                  "steps": [asdict(record) for record in records]})
     for i in range(2):
         write_status(run_dir / "status" / f"sampler-{i}.json",
                      {"produced": 12, "tokens": 300, "reloads": 3, "rollout_s": 24.0, "policy_version": 5})
@@ -38,7 +37,7 @@ def _synthetic_run(run_dir, with_hook_fields: bool) -> dict:
 
 
 def test_report_writes_markdown_and_plots(tmp_path):
-    summary = _synthetic_run(tmp_path, with_hook_fields=True)
+    summary = _synthetic_run(tmp_path)
     report = write_report(tmp_path, summary)
     assert report == tmp_path / "report.md"
     text = report.read_text()
@@ -55,8 +54,16 @@ def test_report_writes_markdown_and_plots(tmp_path):
 
 
 def test_report_reads_summary_from_disk_and_tolerates_missing_series(tmp_path):
-    _synthetic_run(tmp_path, with_hook_fields=False)
-    (tmp_path / "status" / "trainer.json").write_text(json.dumps({"history": {"reward": [1.0]}}))
+    _synthetic_run(tmp_path)
+    (tmp_path / "status" / "trainer.json").write_text(json.dumps({"step": 0}))  # a trainer that never stepped
     text = write_report(tmp_path).read_text()
     assert "0.789" in text
     assert all((tmp_path / "plots" / f"{name}.png").is_file() for name in PLOTS)
+
+
+def test_summary_means_leave_out_a_step_without_a_grad_norm(tmp_path):
+    _synthetic_run(tmp_path)  # the last of its 6 steps has a NaN grad norm, the others 1.0
+    summary = build_summary(SaoConfig(), tmp_path, duration_s=42.0)
+    assert summary["grad_norm_mean"] == 1.0
+    assert summary["trajectories_trained"] == 24 and summary["trainer_steps"] == 6
+    assert summary["max_behaviour_version"] == 5

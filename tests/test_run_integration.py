@@ -16,6 +16,8 @@ def test_sao_run_trains_through_kafka(tmp_path):
                "--samplers", "2", "--run-dir", str(run_dir),
                "--set", "trainer.batch_size=4", "--set", "run.max_tasks_in_flight=4",
                "--set", "policy.max_new_tokens=8", "--set", "run.timeout_s=400",
+               # Half-size reward windows: together they cover every trained trajectory (checked below).
+               "--set", "run.reward_window=0.5",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -26,6 +28,14 @@ def test_sao_run_trains_through_kafka(tmp_path):
     assert summary["trajectories_trained"] == tasks
     assert summary["trajectories_produced"] == (summary["trajectories_trained"] + summary["duplicates_dropped"]
                                                 + summary["dead_lettered"])
+    # The trainer's ledger, written step by step, agrees: each fed task trained exactly once.
+    steps = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
+    trained_ids = [tid for step in steps for tid in step["trajectory_ids"]]
+    assert len(trained_ids) == len(set(trained_ids)) == summary["trajectories_trained"]
+    assert sorted(tid.split("#")[0] for tid in trained_ids) == sorted(
+        f"train/basic_arithmetic/0/{i}" for i in range(tasks))
+    assert [step["step"] for step in steps] == list(range(1, summary["trainer_steps"] + 1))
+    assert steps[-1]["policy_version"] + 1 == summary["policy_version"]  # each step published one version
     # The policy moved, and samplers reloaded it: later trajectories come from newer versions.
     assert summary["trainer_steps"] == tasks // 4
     assert summary["policy_version"] == tasks // 4
@@ -37,9 +47,17 @@ def test_sao_run_trains_through_kafka(tmp_path):
     # Bytes of every step's full context vs sao's trajectory. Two-turn episodes are too short for
     # memory to pay for itself (one INT8 slot is 388 bytes), so no bound above 1 is claimed here.
     assert 0 < summary["compression_ratio"] < 100
-    assert summary["reward_first_window"] is not None and summary["reward_last_window"] is not None
-    gain = summary["reward_last_window"] - summary["reward_first_window"]
-    assert abs(summary["reward_gain"] - gain) < 1e-9 and summary["reward_gain_stderr"] >= 0
+    # Rewards, against another source: the samplers add up the reward of what they produce. With
+    # nothing dropped, the two half windows hold exactly those trajectories.
+    assert summary["reward_window_size"] == tasks // 2
+    first, last = summary["reward_first_window"], summary["reward_last_window"]
+    assert 0 <= first <= 1 and 0 <= last <= 1 and summary["reward_gain"] == pytest.approx(last - first)
+    if summary["duplicates_dropped"] == summary["dead_lettered"] == 0:
+        samplers = [json.loads(path.read_text()) for path in (run_dir / "status").glob("sampler-*.json")]
+        assert len(samplers) == 2
+        produced_reward = sum(s["reward_sum"] for s in samplers)
+        assert (first + last) * summary["reward_window_size"] == pytest.approx(produced_reward)
+    assert summary["reward_gain_stderr"] >= 0
     # A clean stop leaves a resumable checkpoint and the published weights.
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert list((run_dir / "policy").glob("policy-v*.safetensors"))

@@ -14,8 +14,8 @@ Two views, both summed over a trajectory's steps:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from sao.schema import Memory, Step, Trajectory, encode
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -131,6 +133,32 @@ class SemanticEncoder:
         for index, length in enumerate(lengths):
             groups[length].append(index)
         return list(groups.values())
+
+
+def encoder_dim(model: str = DEFAULT_MODEL) -> int:
+    """The embedding width of `model`, read from its folder's metadata without loading the weights.
+
+    The trainer needs only this number (the memory width), not the 3 s model load. The last
+    module that sets a width wins: a Pooling layer's (times its pooling modes), then a Dense
+    layer's `out_features`. A hub name, or a folder without that metadata, is loaded instead.
+    """
+    folder = Path(_resolve(model)[0])
+    modules_file = folder / "modules.json"
+    dim = None
+    if modules_file.is_file():
+        for module in json.loads(modules_file.read_text()):
+            config_file = folder / module.get("path", "") / "config.json"
+            if not module.get("path") or not config_file.is_file():
+                continue  # the Transformer module's config.json is the HF model's, not a width
+            config = json.loads(config_file.read_text())
+            if module["type"].endswith("Pooling"):
+                modes = sum(bool(v) for k, v in config.items() if k.startswith("pooling_mode_")) or 1
+                dim = config["word_embedding_dimension"] * modes
+            elif module["type"].endswith("Dense"):
+                dim = config["out_features"]
+    if dim is None:
+        return load_encoder(model).dim
+    return int(dim)
 
 
 _ENCODERS: dict[tuple[str, str], SemanticEncoder] = {}

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHTS_PATH = Path(__file__).parent / "weights" / "temporal-minilm-l6.safetensors"
-DEFAULT_WEIGHTS_COMMAND = "python -m sao.compression.default_weights --seed 0"
+DEFAULT_WEIGHTS_COMMAND = "python -m sao.offline.default_weights --seed 0"
 WEIGHTS_FORMAT = "sao-temporal-lstm-v1"
 
 KEEP_BOUNDARY = "boundary"

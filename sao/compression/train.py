@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -152,7 +154,7 @@ def train_from_texts(
     flat = encoder.encode(texts)
     logger.info("encoded %d steps in %.1f s", len(texts), time.perf_counter() - started)
     bounds = np.cumsum([0] + [len(episode) for episode in episodes])
-    sequences = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    sequences = [flat[a:b] for a, b in itertools.pairwise(bounds)]
     model, stats = train_temporal_model(sequences, encoder.dim, **train_kwargs)
     threshold = calibrate_threshold(model, sequences, target_keep_ratio)
     temporal_filter = TemporalFilter(model, threshold, {"encoder": encoder.name})

@@ -13,7 +13,7 @@ from typing import Any
 import reasoning_gym
 
 from sao.config import EnvConfig
-from sao.envs.base import Feedback, GenerationDefaults
+from sao.envs.base import Feedback, GenerationDefaults, check_split
 from sao.schema import Task
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: a seed no training run uses by default
@@ -62,6 +62,7 @@ class ArithmeticEnv:
         its entries are drawn independently of training; tiny domains (1-digit sums) can still
         repeat a question text across splits.
         """
+        check_split(cls.name, split)
         seed = config.seed + (EVAL_SEED_OFFSET if split == "eval" else 0)
         size = start_index + count
         spec = {"dataset": config.dataset, "size": size, "seed": seed, "options": config.dataset_options}

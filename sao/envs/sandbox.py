@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -117,7 +117,7 @@ def _kill_group(launcher: subprocess.Popen) -> None:
     launcher.wait()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _warn_weak_isolation(layers: tuple[str, ...]) -> None:
     """Once per distinct set of layers: say what is missing, and what that exposes."""
     missing = sorted(FULL_ISOLATION - set(layers))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sao.config import EnvConfig
-from sao.envs.base import Feedback, GenerationDefaults
+from sao.envs.base import Feedback, GenerationDefaults, check_split
 from sao.schema import Task
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ DEFAULT_OPTIONS: dict[str, int] = {
     "loops": 4,  # extra passages added to the spanning tree, so routes are not unique
     "max_steps": 1000,  # actions before the episode ends unsolved
 }
+EVAL_SEED_OFFSET = 1_000_003  # held-out worlds: a seed no training run uses by default (as in arithmetic)
 
 
 def _with_article(name: str, article: str = "a") -> str:
@@ -207,11 +208,18 @@ class TextWorldEnv:
         return cls()
 
     @classmethod
-    def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0) -> list[Task]:
-        """`count` worlds, indices [start_index, start_index + count), shaped by env.options."""
+    def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]:
+        """`count` worlds, indices [start_index, start_index + count) of the split, shaped by env.options.
+
+        The eval split builds its worlds from another seed (`seed + EVAL_SEED_OFFSET`), so held-out
+        mazes are not the training ones; its ids start with `eval/` (train ids keep their old form).
+        """
+        check_split(cls.name, split)
         options = task_options(dict(config.options))
-        return [Task(task_id=f"textworld/{config.seed}/{index}", env=cls.name,
-                     spec={**options, "seed": config.seed, "index": index})
+        seed = config.seed + (EVAL_SEED_OFFSET if split == "eval" else 0)
+        prefix = "eval/" if split == "eval" else ""
+        return [Task(task_id=f"{prefix}textworld/{seed}/{index}", env=cls.name,
+                     spec={**options, "seed": seed, "index": index})
                 for index in range(start_index, start_index + count)]
 
     def __init__(self) -> None:

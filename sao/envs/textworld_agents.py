@@ -13,7 +13,6 @@ import random
 from collections import deque
 from typing import Protocol
 
-from sao.compression.episodes import Episode, EpisodeStep
 from sao.envs.textworld import Cell, TextWorldEnv, World
 
 
@@ -133,19 +132,3 @@ def make_agent(kind: str, seed: int = 0, noise: float = 0.2) -> Agent:
     if kind == "random":
         return RandomAgent(seed)
     raise ValueError(f"unknown agent {kind!r}: use expert, noisy or random")
-
-
-def record_episode(env: TextWorldEnv, task_id: str, spec: dict, agent: Agent) -> Episode:
-    """Play one episode; each step is labelled with the expert's command in that state."""
-    observation = env.reset(spec)
-    steps = []
-    while True:
-        label = expert_action(env)
-        action = agent.act(env)
-        feedback = env.step(action)
-        steps.append(EpisodeStep(observation, action, feedback.reward, feedback.done, label))
-        if feedback.done:
-            break
-        observation = feedback.observation
-    return Episode(env.name, task_id, steps, agent.name,
-                   {"solved": feedback.info["solved"], "delivered": feedback.info["delivered"], "spec": dict(spec)})

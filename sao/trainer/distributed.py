@@ -1,4 +1,4 @@
-"""Share each batch from rank 0 (the only Kafka consumer) with the other ranks.
+"""What ranks share: each batch from rank 0 (the only Kafka consumer), and each step's loss figures.
 
 Rank 0 consumes; every rank needs the same trajectories. The raw msgpack bytes travel as a
 uint8 tensor (torch's broadcast_object_list would pickle, which sao never does across
@@ -10,8 +10,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sao.consumers.buffer import BufferEntry
 from sao.schema import Trajectory, decode
+from sao.trainer.buffer import BufferEntry
+from sao.trainer.objectives import LossStats
+
+# LossStats fields that are means over tokens: merged weighted by each part's token count.
+_PER_TOKEN = ("ratio_mean", "ratio_abs_dev", "clip_fraction", "kl_k3")
 
 
 def rank() -> int:
@@ -55,3 +59,19 @@ def broadcast_batch(entries: list[BufferEntry] | None, stop: bool, device: torch
         batch.append(decode(data[start:start + length], Trajectory))
         start += length
     return batch, stop
+
+
+def all_reduce_stats(parts: list[LossStats], shards: int, device: torch.device) -> LossStats:
+    """Merge the LossStats of every accumulation chunk on every rank into the step's figures.
+
+    `loss` and `value_loss` are each shard's share of a batch mean, so their sum over the
+    `shards` (chunks x ranks) is averaged; the per-token means are weighted by token counts.
+    """
+    sums = torch.tensor([[p.loss, p.value_loss, p.tokens, *(getattr(p, name) * p.tokens for name in _PER_TOKEN)]
+                         for p in parts], dtype=torch.float64).sum(dim=0)
+    if world_size() > 1:  # on the engine's device: NCCL reduces only GPU tensors
+        sums = sums.to(device)
+        dist.all_reduce(sums)
+    loss, value_loss, tokens, *per_token = sums.tolist()
+    return LossStats(loss=loss / shards, value_loss=value_loss / shards, tokens=int(tokens),
+                     **{name: total / max(tokens, 1.0) for name, total in zip(_PER_TOKEN, per_token)})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,7 @@ import torch
 
 from sao.config import TrainerConfig
 from sao.policy.weights import unique_state_dict
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from sao.transport.broker import free_port
 
 
 def init_distributed() -> None:
@@ -34,7 +28,7 @@ def init_distributed() -> None:
         return
     # Launched without torchrun/deepspeed: a world of one. Without these DeepSpeed tries MPI.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")

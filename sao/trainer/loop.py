@@ -13,26 +13,29 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sao.compression.semantic import load_encoder
 from sao import metrics
+from sao.compression.semantic import encoder_dim
 from sao.config import SaoConfig, to_toml
-from sao.consumers.buffer import BufferEntry, ReplayBuffer
-from sao.consumers.trajectory_stream import TrajectoryStream
 from sao.policy.weights import build_policy
-from sao.producers.policy_follow import latest_announced_version
+from sao.run_dir import RunDir
 from sao.schema import Trajectory
-from sao.status import write_status
+from sao.status import StepRecord, write_status
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import BatchPlan, plan_batch, rank_loss
+from sao.trainer.buffer import BufferEntry, ReplayBuffer
 from sao.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from sao.trainer.distributed import broadcast_batch, rank, world_size
+from sao.trainer.distributed import all_reduce_stats, broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
+from sao.trainer.objectives import LossStats
 from sao.trainer.publisher import PolicyPublisher
+from sao.trainer.trajectory_stream import TrajectoryStream
+from sao.transport.announcements import latest_announced_version
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import make_producer
 
@@ -43,13 +46,12 @@ class Trainer:
     def __init__(self, config: SaoConfig, bootstrap: str, run_dir: Path, resume: bool = False):
         torch.set_num_threads(config.trainer.torch_threads)
         self.config = config
-        self.run_dir = run_dir
-        self.checkpoint_dir = run_dir / "checkpoints"
-        self.memory_dim = load_encoder(config.compression.encoder).dim
+        self.run_dir = RunDir(run_dir)
+        self.memory_dim = encoder_dim(config.compression.encoder)  # the width only: no model load
         self.engine = build_engine(build_policy(config.policy, self.memory_dim, config.trainer.value_head),
                                    config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
-        restored = load_checkpoint(self.engine, self.checkpoint_dir) if resume else None
+        restored = load_checkpoint(self.engine, self.run_dir.checkpoints) if resume else None
         self.state = restored or TrainerState()
         if restored:
             self.state.policy_version = self._next_free_version(bootstrap, config.topics.policy)
@@ -59,7 +61,7 @@ class Trainer:
             self.baseline.load_state_dict(self.state.baseline)
         self.is_leader = rank() == 0
         self.producer = make_producer(bootstrap) if self.is_leader else None
-        self.publisher = PolicyPublisher(self.producer, config.topics.policy, run_dir / "policy",
+        self.publisher = PolicyPublisher(self.producer, config.topics.policy, self.run_dir,
                                          config.trainer.keep_versions)
         self.buffer = ReplayBuffer(config.trainer.max_reuse, config.trainer.priority_exponent,
                                    config.trainer.freshness_decay)
@@ -71,9 +73,7 @@ class Trainer:
                                        config.trainer.max_staleness, self.state.offsets if restored else None,
                                        set(self.state.seen_trajectory_ids),
                                        config.topics.trainer_group) if self.is_leader else None
-        self.history: dict[str, list] = {key: [] for key in (
-            "reward", "behaviour_version", "staleness", "compression_ratio", "loss", "ratio_mean", "ratio_abs_dev",
-            "clip_fraction", "kl_k3", "value_loss", "grad_norm", "step_s", "trained_at")}
+        self.steps: list[StepRecord] = []  # this life's steps, in the progress file
         self.evaluations: list[subprocess.Popen] = []
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
@@ -115,13 +115,14 @@ class Trainer:
                 if stop:
                     break
                 plan = plan_batch(batch, self.baseline, cfg, self.state.policy_version)
-                step_metrics = self._train_step(plan)
+                trained_version = self.state.policy_version
+                stats, step_s = self._train_step(plan)
                 self.state.step += 1
-                self._ledger({"step": self.state.step, "policy_version": self.state.policy_version,
+                self._ledger({"step": self.state.step, "policy_version": trained_version,
                               "trajectory_ids": [t.trajectory_id for t in batch]})
                 if self.state.step % cfg.sync_every == 0:
                     self._publish()
-                self._export(plan, step_metrics)
+                self._record(plan, trained_version, stats, step_s)
                 self._commit()
                 if self.state.step % cfg.checkpoint_every == 0:
                     checkpointed_at = self._checkpoint()
@@ -184,12 +185,14 @@ class Trainer:
 
     # --- training (every rank) ------------------------------------------------------------
 
-    def _train_step(self, plan: BatchPlan) -> dict[str, float]:
+    def _train_step(self, plan: BatchPlan) -> tuple[LossStats, float]:
+        """Forward, backward and optimizer step over the batch, split into `accumulation` chunks
+        and across ranks; returns the step's merged loss figures and its wall time."""
         started = time.perf_counter()
         ranks, count = world_size(), len(plan.trajectories)
         normaliser = count / (self.accumulation * ranks)
         chunks = [list(range(count))[i::self.accumulation] for i in range(self.accumulation)]
-        totals = torch.zeros(7, dtype=torch.float64)
+        parts = []
         for chunk in chunks:
             t0 = time.perf_counter()
             loss, stats = rank_loss(self.engine, plan, chunk[rank()::ranks], normaliser, self.config.trainer,
@@ -199,52 +202,31 @@ class Trainer:
             self.engine.step()
             self.phase_s["forward_backward"] += t1 - t0
             self.phase_s["optimizer"] += time.perf_counter() - t1
-            totals += torch.tensor([stats.loss, stats.tokens, stats.ratio_mean * stats.tokens,
-                                    stats.ratio_abs_dev * stats.tokens, stats.clip_fraction * stats.tokens,
-                                    stats.kl_k3 * stats.tokens, stats.value_loss], dtype=torch.float64)
-        if dist.is_initialized() and ranks > 1:
-            dist.all_reduce(totals)
+            parts.append(stats)
+        return all_reduce_stats(parts, self.accumulation * ranks, self.engine.device), time.perf_counter() - started
+
+    def _record(self, plan: BatchPlan, trained_version: int, stats: LossStats, step_s: float) -> None:
+        """Keep the step's record (progress file), log it, and export it to Prometheus (rank 0)."""
         grad_norm = self.engine.get_global_grad_norm()
-        tokens = max(float(totals[1]), 1.0)
-        step_metrics = {"loss": float(totals[0]) / (self.accumulation * ranks),
-                        "ratio_mean": float(totals[2]) / tokens, "ratio_abs_dev": float(totals[3]) / tokens,
-                        "clip_fraction": float(totals[4]) / tokens, "kl_k3": float(totals[5]) / tokens,
-                        "value_loss": float(totals[6]) / (self.accumulation * ranks)}
-        self._record(plan, step_metrics, grad_norm, time.perf_counter() - started)
-        return {**step_metrics, "grad_norm": self.history["grad_norm"][-1]}
-
-    def _export(self, plan: BatchPlan, step_metrics: dict[str, float]) -> None:
-        """Prometheus (rank 0 serves /metrics) and the per-step timing split in the history."""
-        if not self.is_leader:
-            return
         now = time.time()
-        kept = metrics.record_trainer_step(
+        trajectories = plan.trajectories
+        record = StepRecord(
+            step=self.state.step, policy_version=trained_version, trained_at=now,
+            rewards=[t.total_reward for t in trajectories], advantages=list(plan.advantages),
+            behaviour_versions=[t.behaviour_version for t in trajectories], staleness=list(plan.staleness),
+            compression_ratios=[t.compression.get("ratio", 1.0) for t in trajectories],
+            sampling_to_training_s=[now - t.created_at for t in trajectories],
+            loss=stats.loss, ratio_mean=stats.ratio_mean, ratio_abs_dev=stats.ratio_abs_dev,
+            clip_fraction=stats.clip_fraction, kl_k3=stats.kl_k3, value_loss=stats.value_loss,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), step_s=step_s,
             wait_s=self.phase_s["wait"], forward_backward_s=self.phase_s["forward_backward"],
-            optimizer_s=self.phase_s["optimizer"], publish_s=self.phase_s["publish"], loss=step_metrics["loss"],
-            rewards=[t.total_reward for t in plan.trajectories], advantages=plan.advantages,
-            grad_norm=step_metrics["grad_norm"], ratio_mean=step_metrics["ratio_mean"],
-            ratio_abs_dev=step_metrics["ratio_abs_dev"], clip_fraction=step_metrics["clip_fraction"],
-            kl_k3=step_metrics["kl_k3"], staleness=plan.staleness,
-            sampling_to_training_s=[now - t.created_at for t in plan.trajectories],
-            policy_version=self.state.policy_version)
-        for key, value in kept.items():
-            self.history.setdefault(key, []).append(value)
-
-    def _record(self, plan: BatchPlan, step_metrics: dict[str, float], grad_norm, step_s: float) -> None:
-        h = self.history
-        h["reward"] += [t.total_reward for t in plan.trajectories]
-        h["behaviour_version"] += [t.behaviour_version for t in plan.trajectories]
-        h["staleness"] += plan.staleness
-        h["compression_ratio"] += [t.compression.get("ratio", 1.0) for t in plan.trajectories]
-        for name, value in step_metrics.items():
-            h[name].append(value)
-        h["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
-        h["step_s"].append(step_s)
-        h["trained_at"].append(time.time())
+            optimizer_s=self.phase_s["optimizer"], publish_s=self.phase_s["publish"])
+        self.steps.append(record)
         log.info("step %d: loss %.4f reward %.3f rho %.4f |rho-1| %.2e clip %.3f grad %.2f (%.1f s)",
-                 self.state.step + 1, step_metrics["loss"],
-                 sum(h["reward"][-len(plan.trajectories):]) / len(plan.trajectories), step_metrics["ratio_mean"],
-                 step_metrics["ratio_abs_dev"], step_metrics["clip_fraction"], h["grad_norm"][-1], step_s)
+                 record.step, record.loss, sum(record.rewards) / record.batch_size, record.ratio_mean,
+                 record.ratio_abs_dev, record.clip_fraction, record.grad_norm, step_s)
+        if self.is_leader:
+            metrics.export_trainer_step(record)
 
     # --- after a step ---------------------------------------------------------------------
 
@@ -253,6 +235,8 @@ class Trainer:
         self.state.policy_version += 1
         self.publisher.publish(self.engine, self.state.policy_version, self.state.step)
         self.phase_s["publish"] = time.perf_counter() - started
+        if self.is_leader:
+            metrics.record_policy_published(self.state.policy_version)
         log.info("published policy v%d in %.1f s", self.state.policy_version, self.phase_s["publish"])
         every = self.config.trainer.eval_every
         if self.is_leader and every and self.state.policy_version % every == 0:
@@ -260,12 +244,12 @@ class Trainer:
 
     def _evaluate_in_background(self, version: int) -> None:
         """`sao eval` in its own process: training never waits for an evaluation."""
-        config_path = self.run_dir / "trainer-config.toml"
+        config_path = self.run_dir.trainer_config
         config_path.write_text(to_toml(self.config))
-        log_path = self.run_dir / "logs" / f"eval-v{version:06d}.log"
+        log_path = self.run_dir.eval_log(version)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.evaluations.append(subprocess.Popen(
-            [sys.executable, "-m", "sao.cli", "eval", "--config", str(config_path), "--run-dir", str(self.run_dir),
+            [sys.executable, "-m", "sao.cli", "eval", "--config", str(config_path), "--run-dir", str(self.run_dir.root),
              "--version", str(version), "--num-tasks", str(self.config.trainer.eval_tasks)],
             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT))
 
@@ -286,7 +270,7 @@ class Trainer:
         self.state.baseline = self.baseline.state_dict()
         self.state.rng = {"torch": torch.get_rng_state().tolist(), "replay": _jsonable(self.buffer.rng.getstate())}
         started = time.perf_counter()
-        save_checkpoint(self.engine, self.checkpoint_dir, self.state)
+        save_checkpoint(self.engine, self.run_dir.checkpoints, self.state)
         if self.is_leader:
             metrics.record_checkpoint(time.perf_counter() - started)
         return self.state.step
@@ -294,24 +278,24 @@ class Trainer:
     def _ledger(self, record: dict) -> None:
         """Append-only record of what each step trained on (audits exactly-once delivery)."""
         if self.is_leader:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / "trained.jsonl", "a") as handle:
+            self.run_dir.root.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir.ledger, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
     def status(self) -> dict:
         counters = self.stream.counters if self.is_leader else None
         return {"step": self.state.step, "policy_version": self.state.policy_version,
-                "trajectories_trained": len(self.history["reward"]),
+                "trajectories_trained": sum(record.batch_size for record in self.steps),
                 "consumed": counters.consumed if counters else 0, "duplicates": counters.duplicates if counters else 0,
                 "dead_lettered": counters.dead_lettered if counters else 0,
                 "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine),
-                "history": self.history}
+                "steps": [asdict(record) for record in self.steps]}
 
     def _write_status(self, finished: bool = False) -> None:
-        name = "trainer.json" if self.is_leader else f"trainer-rank{rank()}.json"
-        write_status(self.run_dir / "status" / name, {**self.status(), "finished": finished})
+        name = "trainer" if self.is_leader else f"trainer-rank{rank()}"
+        write_status(self.run_dir.status(name), {**self.status(), "finished": finished})
 
 
 def _jsonable(state):

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import torch
 
 from sao.policy.weights import write_weights
-from sao.schema import PolicyAnnouncement, encode
+from sao.run_dir import RunDir
+from sao.schema import PolicyAnnouncement
 from sao.trainer.engine import gather_full_state
-from sao.transport.kafka import deliver_and_wait
+from sao.transport.announcements import announce
 
 log = logging.getLogger(__name__)
 
 
 class PolicyPublisher:
-    def __init__(self, producer, topic: str, weights_dir: Path, keep_versions: int):
+    def __init__(self, producer, topic: str, run_dir: RunDir, keep_versions: int):
         self.producer = producer
         self.topic = topic
-        self.weights_dir = weights_dir
+        self.run_dir = run_dir
         self.keep_versions = keep_versions
 
     def publish(self, engine, version: int, trainer_step: int) -> PolicyAnnouncement | None:
@@ -33,19 +33,19 @@ class PolicyPublisher:
         state = gather_full_state(engine)
         if torch.distributed.get_rank() != 0:
             return None
-        path = self.weights_dir / f"policy-v{version:06d}.safetensors"
+        path = self.run_dir.weights(version)
         # Samplers act with the policy only; the trainer's value head stays in its checkpoints.
         sha256 = write_weights({k: v for k, v in state.items() if not k.startswith("value_head.")}, path)
-        announcement = PolicyAnnouncement(version=version, weights_path=str(path.resolve()), sha256=sha256,
+        announcement = PolicyAnnouncement(policy_version=version, weights_path=str(path.resolve()), sha256=sha256,
                                           num_bytes=path.stat().st_size, trainer_step=trainer_step)
         # The same facts next to the file, so `sao eval` can verify a version without Kafka.
-        path.with_suffix(".json").write_text(json.dumps(announcement.to_wire()))
-        deliver_and_wait(self.producer, self.topic, encode(announcement), key="policy")
+        self.run_dir.weights_sidecar(version).write_text(json.dumps(announcement.to_wire()))
+        announce(self.producer, self.topic, announcement)
         self._prune(version)
         return announcement
 
     def _prune(self, newest: int) -> None:
-        for old in self.weights_dir.glob("policy-v*.safetensors"):
-            if int(old.stem.split("-v")[1]) <= newest - self.keep_versions:
-                old.unlink(missing_ok=True)
-                old.with_suffix(".json").unlink(missing_ok=True)
+        for old in self.run_dir.kept_versions():
+            if old <= newest - self.keep_versions:
+                self.run_dir.weights(old).unlink(missing_ok=True)
+                self.run_dir.weights_sidecar(old).unlink(missing_ok=True)

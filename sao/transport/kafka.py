@@ -128,9 +128,9 @@ def _produce(
         try:
             producer.produce(topic, value=value, key=key, **kwargs)
             return
-        except BufferError:
+        except BufferError as err:
             if time.monotonic() > deadline:
-                raise DeliveryFailed(f"The producer queue stayed full; could not enqueue a message to {topic!r}.")
+                raise DeliveryFailed(f"The producer queue stayed full; could not enqueue a message to {topic!r}.") from err
             producer.poll(0.1)
 
 

@@ -11,6 +11,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic, TopicMetadata
 
+from sao.config import SaoConfig
 from sao.transport.kafka import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -119,3 +120,10 @@ def _wait_until_visible(admin: AdminClient, bootstrap: str, names: list[str], de
         if time.monotonic() > deadline:
             raise TopicSetupError(f"Topics {absent} were created but never appeared in the metadata of {bootstrap}.")
         time.sleep(0.1)
+
+
+def topic_partitions(config: SaoConfig) -> dict[str, int]:
+    """sao's topics and their partition counts, as the config sets them."""
+    t = config.topics
+    # One policy partition keeps announcements totally ordered.
+    return {t.tasks: t.task_partitions, t.trajectories: t.trajectory_partitions, t.policy: 1, t.dlq: 1}

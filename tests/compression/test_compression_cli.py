@@ -6,11 +6,11 @@ import pytest
 from typer.testing import CliRunner
 
 from sao.cli import app
-from sao.compression.episodes import read_episodes, replay_episode
 from sao.compression.temporal import load_temporal_filter
+from sao.offline.episodes import read_episodes, replay_episode
+from sao.schema import encode
 from sao.transport.kafka import deliver_and_wait, make_producer
 from sao.transport.topics import ensure_topics
-from sao.schema import encode
 
 SMALL_WORLDS = ["--set", "env.options.size=6", "--set", "env.options.max_steps=30"]
 

@@ -3,20 +3,21 @@
 import numpy as np
 import pytest
 
-from sao.compression.episodes import (
-    Episode,
-    EpisodeStep,
-    read_episodes,
-    read_trajectory_records,
-    replay_episode,
-    write_episodes,
-    write_trajectory_records,
-)
 from sao.compression.pipeline import compress_batch
 from sao.compression.temporal import load_temporal_filter
 from sao.config import EnvConfig
 from sao.envs.textworld import TextWorldEnv
-from sao.envs.textworld_agents import ExpertAgent, record_episode
+from sao.envs.textworld_agents import ExpertAgent
+from sao.offline.episodes import (
+    Episode,
+    EpisodeStep,
+    read_episodes,
+    read_trajectory_records,
+    record_episode,
+    replay_episode,
+    write_episodes,
+    write_trajectory_records,
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,35 @@
 """The packaged sentence encoder: shape, normalisation, batch independence, caching."""
 
+import json
+
 import numpy as np
 
-from sao.compression.semantic import DEFAULT_MODEL_NAME, load_encoder
+from sao.compression.semantic import DEFAULT_MODEL, DEFAULT_MODEL_NAME, encoder_dim, load_encoder
 
 
 def test_default_encoder_is_packaged_minilm_with_384_dims(encoder):
     assert encoder.dim == 384
     assert encoder.name == DEFAULT_MODEL_NAME
+    assert encoder_dim(DEFAULT_MODEL) == encoder.dim  # read from metadata, as the trainer does
+
+
+def test_encoder_dim_reads_the_last_width_in_the_module_list_without_loading(tmp_path):
+    # A folder with metadata only (no weights): loading it would fail, reading it must not.
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 768}))
+    for folder, config in (("1_Pooling", {"word_embedding_dimension": 768, "pooling_mode_mean_tokens": True,
+                                          "pooling_mode_max_tokens": True}),
+                           ("2_Dense", {"in_features": 1536, "out_features": 256})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+    assert encoder_dim(str(tmp_path)) == 256
+    (tmp_path / "2_Dense" / "config.json").unlink()  # without the Dense layer: pooling's two modes
+    modules.pop()
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert encoder_dim(str(tmp_path)) == 1536
 
 
 def test_embeddings_are_float32_unit_vectors(encoder, dialogue):

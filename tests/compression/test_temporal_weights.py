@@ -35,7 +35,7 @@ def test_weights_are_safetensors_not_pickle(tmp_path, make_filter):
 
 def test_missing_default_names_the_command_that_creates_it(tmp_path, monkeypatch):
     monkeypatch.setattr(temporal, "DEFAULT_WEIGHTS_PATH", tmp_path / "absent.safetensors")
-    with pytest.raises(FileNotFoundError, match="python -m sao.compression.default_weights"):
+    with pytest.raises(FileNotFoundError, match=r"python -m sao\.offline\.default_weights"):
         load_temporal_filter()
 
 
@@ -43,7 +43,7 @@ def test_missing_sidecar_is_reported(tmp_path, make_filter):
     path = tmp_path / "filter.safetensors"
     save_temporal_weights(make_filter(0.1).model, path, {"threshold": 0.1})
     sidecar_path(path).unlink()
-    with pytest.raises(FileNotFoundError, match="filter.json"):
+    with pytest.raises(FileNotFoundError, match=r"filter\.json"):
         load_temporal_filter(path)
 
 

@@ -7,7 +7,8 @@ from sao.compression.pipeline import OnlineCompressor, compress_batch
 from sao.compression.temporal import load_temporal_filter
 from sao.config import EnvConfig
 from sao.envs.textworld import TextWorldEnv
-from sao.envs.textworld_agents import ExpertAgent, record_episode
+from sao.envs.textworld_agents import ExpertAgent
+from sao.offline.episodes import record_episode
 
 
 @pytest.fixture(scope="module")

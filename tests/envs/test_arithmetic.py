@@ -1,5 +1,7 @@
 """The multi-turn reasoning-gym arithmetic env."""
 
+import re
+
 import pytest
 
 from sao.config import EnvConfig
@@ -13,8 +15,8 @@ def test_last_number(text, number):
     assert last_number(text) == number
 
 
-def _answer(task, config=EnvConfig()):
-    env = make_env(config)
+def _answer(task, config: EnvConfig | None = None):
+    env = make_env(config or EnvConfig())
     question = env.reset(task.spec)
     return env, question, env._entry["answer"]
 
@@ -22,7 +24,12 @@ def _answer(task, config=EnvConfig()):
 def test_right_answer_first_try_gets_full_reward():
     task = make_tasks(EnvConfig(), 3)[2]
     env, question, answer = _answer(task)
-    assert "?" in question or "Calculate" in question or question
+    # The default options ask for a sum or difference of two non-negative terms: the question
+    # states it, and the entry's answer is its value.
+    match = re.fullmatch(r"Calculate (\d+) ([+-]) (\d+)\.", question)
+    assert match, question
+    left, operator, right = int(match[1]), match[2], int(match[3])
+    assert int(answer) == (left + right if operator == "+" else left - right)
     feedback = env.step(f"It is {answer}")
     assert feedback.done and feedback.reward == 1.0
 
@@ -53,7 +60,7 @@ def test_registry_loads_builtins_and_import_paths_and_names_bad_ones():
     assert env_class("arithmetic").name == "arithmetic"
     assert env_class("sao.envs.arithmetic:ArithmeticEnv") is env_class("arithmetic")
     for bad in ("nope", "sao.envs.arithmetic:Missing", "no_such_module_xyz:Env"):
-        with pytest.raises(UnknownEnv, match="env.name"):
+        with pytest.raises(UnknownEnv, match=r"env\.name"):
             env_class(bad)
 
 

@@ -9,7 +9,7 @@ from sao.compression.temporal import load_temporal_filter
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import make_tasks
 from sao.policy.weights import build_policy
-from sao.producers.rollout import Roller
+from sao.sampler.rollout import Roller
 
 
 def _roller(tiny_config, encoder, env_name, timeout_s=30.0):

@@ -5,7 +5,8 @@ import pytest
 from sao.config import EnvConfig
 from sao.envs.registry import make_env, make_tasks
 from sao.envs.textworld import DEFAULT_OPTIONS, TextWorldEnv, build_world
-from sao.envs.textworld_agents import ExpertAgent, RandomAgent, expert_action, make_agent, record_episode
+from sao.envs.textworld_agents import ExpertAgent, RandomAgent, expert_action, make_agent
+from sao.offline.episodes import record_episode
 
 CONFIG = EnvConfig(name="textworld")
 

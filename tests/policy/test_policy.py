@@ -96,8 +96,9 @@ def test_any_hf_model_folder_is_a_policy_with_a_projector_sized_from_both(tiny_c
 
     from sao.compression.temporal import load_temporal_filter
     from sao.envs.registry import make_tasks
-    from sao.policy.loading import load_tokenizer, tiny_config as tiny_lm_config
-    from sao.producers.rollout import Roller
+    from sao.policy.loading import load_tokenizer
+    from sao.policy.loading import tiny_config as tiny_lm_config
+    from sao.sampler.rollout import Roller
 
     tokenizer = load_tokenizer("tiny", tiny_config.policy.cache_dir)
     lm_config = tiny_lm_config(len(tokenizer))

@@ -93,6 +93,6 @@ def test_bf16_sampling_runs_and_stays_close_to_fp32_rescoring(tiny_config, polic
 def test_cuda_placement_is_refused_without_a_gpu(policy):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    with pytest.raises(RuntimeError, match="sampler.device"):
+    with pytest.raises(RuntimeError, match=r"sampler\.device"):
         place_for_sampling(policy, "cuda")
     assert next(place_for_sampling(policy, "auto").parameters()).dtype == torch.float32

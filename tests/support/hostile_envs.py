@@ -18,5 +18,5 @@ class HangingEnv(ArithmeticEnv):
         while True:  # a grader stuck in a loop, and one that swallows exceptions
             try:
                 pass
-            except Exception:
+            except Exception:  # noqa: BLE001 - the point of this hostile env
                 pass

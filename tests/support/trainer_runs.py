@@ -16,7 +16,7 @@ TOTAL = 18  # unique trajectories; plus one duplicate and one malformed message
 def synthetic_trajectory(index: int, rng: np.random.Generator) -> Trajectory:
     """A valid trajectory for the tiny model (random tokens, plausible behaviour log-probs)."""
     steps = []
-    for turn in range(int(rng.integers(1, 3))):
+    for _ in range(int(rng.integers(1, 3))):
         length = int(rng.integers(2, 6))
         steps.append(Step(observation_ids=rng.integers(3, 49152, 4).astype(np.int32),
                           action_ids=rng.integers(3, 49152, length).astype(np.int32),

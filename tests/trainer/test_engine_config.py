@@ -30,5 +30,5 @@ def test_file_then_inline_override_and_batch_settings_come_from_deepspeed(tmp_pa
 
 def test_unreadable_file_names_the_knob(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ValueError, match="trainer.deepspeed_config"):
+    with pytest.raises(ValueError, match=r"trainer\.deepspeed_config"):
         batch_layout(TrainerConfig(deepspeed_config=str(tmp_path / "bad.json")), 1)

@@ -14,6 +14,7 @@ from sao.schema import PolicyAnnouncement, decode
 from sao.transport.kafka import read_all
 from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, write_config
 
+
 def effective_ledger(path: Path) -> list[str]:
     """Trained ids in the surviving lineage: steps after the checkpoint a resume restarted from are void."""
     steps: dict[int, list[str]] = {}
@@ -62,6 +63,6 @@ def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap,
                         / "sao_state.json").read_text())
     assert state["handled"] == TOTAL + 1  # 18 trained + 1 malformed message dead-lettered
     # No version number is announced twice: the resumed trainer continues above the crashed one's.
-    versions = [decode(m.value(), PolicyAnnouncement).version
+    versions = [decode(m.value(), PolicyAnnouncement).policy_version
                 for m in read_all(kafka_bootstrap, f"{unique_topic_prefix}.policy")]
     assert len(versions) == len(set(versions)) and max(versions) == state["policy_version"]

@@ -4,8 +4,8 @@ are loaded between trajectories only."""
 
 from confluent_kafka import TopicPartition
 
-from sao.launcher import feed_tasks
-from sao.producers.sampler import Sampler
+from sao.feeder import feed_tasks
+from sao.sampler.loop import Sampler
 from sao.schema import Trajectory, decode
 from sao.transport.kafka import make_consumer, read_all
 from sao.transport.topics import ensure_topics
@@ -63,7 +63,7 @@ def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_
     import torch
 
     from sao.policy.weights import unique_state_dict, write_weights
-    from sao.producers import sampler as sampler_module
+    from sao.sampler import loop as sampler_module
     from sao.schema import PolicyAnnouncement
 
     config = tiny_config.model_copy(deep=True)
@@ -83,13 +83,13 @@ def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_
 
     follower.latest = PolicyAnnouncement(1, str(path), sha, path.stat().st_size, 1)
     sampler._follow_policy(reload_now=False)  # episodes are live: note it, do not load
-    assert sampler.version == 0 and sampler.pending.version == 1 and reads == []
+    assert sampler.policy_version == 0 and sampler.pending.policy_version == 1 and reads == []
     sampler._follow_policy(reload_now=True)
-    assert sampler.version == 1 and sampler.pending is None
+    assert sampler.policy_version == 1 and sampler.pending is None
     assert float(sampler.policy.projector.bias.detach()[0]) == 0.5
 
     follower.latest = PolicyAnnouncement(2, str(path), "0" * 64, path.stat().st_size, 2)  # wrong hash
     sampler._follow_policy(reload_now=True)
     sampler._follow_policy(reload_now=True)  # the same refused announcement again
-    assert sampler.version == 1 and reads == [str(path), str(path)]  # v1 once, v2 once
+    assert sampler.policy_version == 1 and reads == [str(path), str(path)]  # v1 once, v2 once
     sampler.tasks.close()

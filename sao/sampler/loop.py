@@ -24,11 +24,11 @@ from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
 from sao.metrics import record_delivery, record_policy_reload, record_rollout
 from sao.policy.weights import WeightsMismatch, build_policy, place_for_sampling, read_weights_into
-from sao.producers.policy_follow import PolicyFollower
-from sao.producers.offsets import OffsetTracker
-from sao.producers.rollout import Episode, Roller
+from sao.sampler.offsets import OffsetTracker
+from sao.sampler.rollout import LiveEpisode, Roller
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import write_status
+from sao.transport.announcements import PolicyFollower
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import deliver_and_wait, make_consumer, make_producer
 from sao.transport.lag import LagReporter
@@ -49,7 +49,7 @@ class Sampler:
         self.policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
         self.roller = Roller(config, self.policy, encoder, temporal_filter, sampler_id, seed)
-        self.version = 0
+        self.policy_version = 0
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "reward_sum": 0.0, "tokens": 0,
                          "rollout_s": 0.0, "reload_s": 0.0}
         self.policy_follower = PolicyFollower(bootstrap, config.topics.policy)
@@ -72,7 +72,7 @@ class Sampler:
         """
         signal.signal(signal.SIGTERM, self._stop)
         admitted = 0
-        live: list[tuple[Episode, object]] = []  # (episode, its task message)
+        live: list[tuple[LiveEpisode, object]] = []  # (episode, its task message)
         try:
             while live or (not self.stopping and (max_tasks is None or admitted < max_tasks)):
                 self._follow_policy(reload_now=not live)
@@ -126,11 +126,11 @@ class Sampler:
             tasks.append((task, msg))
         return taken, tasks
 
-    def _start(self, tasks: list[tuple[Task, object]]) -> list[tuple[Episode, object]]:
+    def _start(self, tasks: list[tuple[Task, object]]) -> list[tuple[LiveEpisode, object]]:
         """Episodes of `tasks` under the current policy version; a failed env reset is dead-lettered."""
         started = []
         for task, msg in tasks:
-            episode = self.roller.start(task, self.version)
+            episode = self.roller.start(task, self.policy_version)
             if isinstance(episode, EnvFailure):
                 self._finish(msg, task, episode)
             else:
@@ -174,8 +174,8 @@ class Sampler:
     def _follow_policy(self, reload_now: bool) -> None:
         """Note the newest announced version; load it once no episode is live (`reload_now`)."""
         announcement = self.policy_follower.poll()
-        if announcement is not None and announcement.version > self.newest_announced:
-            self.newest_announced, self.pending = announcement.version, announcement
+        if announcement is not None and announcement.policy_version > self.newest_announced:
+            self.newest_announced, self.pending = announcement.policy_version, announcement
         if self.pending is None or not reload_now:
             return
         announcement, self.pending = self.pending, None
@@ -184,16 +184,16 @@ class Sampler:
             read_weights_into(self.policy, announcement.weights_path, announcement.sha256)
         except (FileNotFoundError, WeightsMismatch) as err:
             # A lagging sampler may find a pruned file; the next announcement brings a newer one.
-            log.warning("%s could not load policy v%d: %s", self.sampler_id, announcement.version, err)
+            log.warning("%s could not load policy v%d: %s", self.sampler_id, announcement.policy_version, err)
             return
         reload_s = time.perf_counter() - started
-        self.version = announcement.version
+        self.policy_version = announcement.policy_version
         self.counters["reloads"] += 1
         self.counters["reload_s"] += reload_s
-        record_policy_reload(self.version, reload_s)
-        log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.version, reload_s)
+        record_policy_reload(self.policy_version, reload_s)
+        log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.policy_version, reload_s)
 
     def _write_status(self, finished: bool = False) -> None:
         if self.status_path is not None:
             write_status(self.status_path, {**self.counters, "sampler_id": self.sampler_id,
-                                            "policy_version": self.version, "finished": finished})
+                                            "policy_version": self.policy_version, "finished": finished})

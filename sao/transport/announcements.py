@@ -1,4 +1,8 @@
-"""Follow `sao.policy`: learn about new policy versions without ever blocking a rollout."""
+"""The policy topic, both ends: the trainer announces a version, samplers follow the newest.
+
+Only the small announcement travels through Kafka; the weights it names stay on a shared disk.
+Following never blocks a rollout.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,15 @@ import uuid
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from sao.metrics import record_delivery
-from sao.schema import PolicyAnnouncement, SchemaError, decode
-from sao.transport.kafka import make_consumer
+from sao.schema import PolicyAnnouncement, SchemaError, decode, encode
+from sao.transport.kafka import deliver_and_wait, make_consumer
 
 log = logging.getLogger(__name__)
+
+
+def announce(producer, topic: str, announcement: PolicyAnnouncement) -> None:
+    """Produce `announcement` and wait for the broker's acknowledgement (one key: one partition, total order)."""
+    deliver_and_wait(producer, topic, encode(announcement), key="policy")
 
 
 class PolicyFollower:
@@ -44,7 +53,7 @@ class PolicyFollower:
                 continue
             if announcement.created_at >= self.started_at:  # older ones were announced before we listened
                 record_delivery(msg.topic(), announcement.created_at, len(msg.value()))
-            if self.latest is None or announcement.version > self.latest.version:
+            if self.latest is None or announcement.policy_version > self.latest.policy_version:
                 self.latest = announcement
         return self.latest
 
@@ -63,6 +72,6 @@ def latest_announced_version(bootstrap: str, topic: str) -> int:
             latest = follower.poll(0.2)
             if latest is not before:
                 quiet_since = time.monotonic()
-        return latest.version if latest is not None else 0
+        return latest.policy_version if latest is not None else 0
     finally:
         follower.close()

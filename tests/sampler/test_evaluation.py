@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from sao.envs.registry import make_tasks
-from sao.evaluation import evaluate, weights_of
 from sao.policy.weights import build_policy, unique_state_dict, write_weights
+from sao.sampler.evaluation import evaluate, weights_of
 from sao.schema import PolicyAnnouncement
 
 
@@ -30,3 +30,14 @@ def test_eval_scores_a_published_version(tiny_config, encoder, tmp_path):
     assert json.loads((tmp_path / "eval" / "v000003.json").read_text()) == result
     with pytest.raises(FileNotFoundError, match=r"kept: \[3\]"):
         weights_of(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_eval_runs_on_the_labyrinth(tiny_config, tmp_path):
+    # The labyrinth's eval split once raised TypeError (its make_tasks had no `split`).
+    env = tiny_config.env.model_copy(update={"name": "textworld", "max_turns": 3,
+                                             "options": {"size": 3, "gems": 1, "locked_doors": 0, "max_steps": 3}})
+    config = tiny_config.model_copy(update={"env": env})
+    result = evaluate(config, tmp_path, version=0, num_tasks=2)
+    assert (result["tasks"], result["split"]) == (2, "eval") and 0 <= result["reward_mean"] <= 1
+    assert json.loads((tmp_path / "eval" / "v000000.json").read_text()) == result

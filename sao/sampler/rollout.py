@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from sao.compression.accounting import compression_stats
 from sao.compression.pipeline import OnlineCompressor
@@ -16,80 +15,15 @@ from sao.compression.temporal import TemporalFilter
 from sao.config import SaoConfig
 from sao.envs.base import Env
 from sao.envs.guard import EnvFailure, call_env
-from sao.envs.registry import GenerationSettings, generation_settings, make_env
+from sao.envs.registry import generation_settings, make_env
+from sao.policy.chat import ChatFormat, step_text
 from sao.policy.context import StepInput, step_tokens
 from sao.policy.loading import load_tokenizer
 from sao.policy.model import MemoryPolicy
-from sao.policy.sampling import StopRule
 from sao.schema import Memory, Step, Task, Trajectory
 
 
-class ChatFormat:
-    """Chat-template pieces as token ids, split so that steps concatenate into a valid chat.
-
-    prompt = system + user(task); step 0's observation = the assistant header; a later
-    observation = end of the previous turn + user(feedback) + assistant header.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: GenerationSettings):
-        self.tokenizer = tokenizer
-        self.system_prompt = settings.system_prompt
-        turn_end = {tokenizer.eos_token_id, *self._ids_of("<|im_end|>")}
-        self.stop = StopRule(frozenset(turn_end), settings.stop, self._decode_ids)
-        self.end_of_turn_ids, self._before_feedback, self._after_feedback = self._split_feedback_turn()
-
-    def _ids_of(self, token: str) -> list[int]:
-        found = self.tokenizer.convert_tokens_to_ids(token)
-        return [] if found is None or found == self.tokenizer.unk_token_id else [found]
-
-    def _encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
-
-    def _decode_ids(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def _split_feedback_turn(self) -> tuple[np.ndarray, str, str]:
-        """The end-of-turn marker, then the template's text before and after a feedback user turn's
-        content (up to the next assistant header)."""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        full = self._chat(base + [{"role": "user", "content": "\x00"}], True)
-        end_of_answer = full.index("y", len(self._chat(base[:1], True))) + 1
-        after = full[end_of_answer:]
-        end_of_turn = ""
-        for stop in ("<|im_end|>", self.tokenizer.eos_token or ""):
-            if stop and after.startswith(stop):
-                end_of_turn, after = stop, after[len(stop):]
-                break
-        before, after = after.split("\x00")
-        return self._encode(end_of_turn), before, after
-
-    def _opening(self, task_text: str) -> list[dict[str, str]]:
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task_text}]
-
-    def prompt(self, task_text: str) -> np.ndarray:
-        return self._encode(self._chat(self._opening(task_text), generation_prompt=False))
-
-    def first_observation(self, task_text: str) -> np.ndarray:
-        messages = self._opening(task_text)
-        return self._encode(self._chat(messages, True)[len(self._chat(messages, False)):])
-
-    def feedback_observation(self, feedback: str, action_ids: np.ndarray) -> np.ndarray:
-        """The next user turn. An action that ended at its end-of-turn token already closed its
-        turn; one cut by a stop string or max_new_tokens gets the marker here, so the chat the
-        policy sees (and the trainer rescores) stays well formed."""
-        observation = self._encode(self._before_feedback + feedback + self._after_feedback)
-        closed = len(action_ids) > 0 and int(action_ids[-1]) in self.stop.token_ids
-        return observation if closed else np.concatenate([self.end_of_turn_ids, observation])
-
-    def action_text(self, ids: np.ndarray) -> str:
-        """What the env is shown: the decoded action, cut after its stop string if it has one."""
-        return self.stop.cut(self._decode_ids(ids.tolist()))
-
-
-class Episode:
+class LiveEpisode:
     """One episode in progress: its env, its online compressor and the steps taken so far."""
 
     def __init__(self, roller: Roller, task: Task, env: Env, behaviour_version: int):
@@ -124,7 +58,7 @@ class Episode:
         self.finished.append((self.observation_ids, action_ids))
         self.done = feedback.done or len(self.steps) >= self.roller.config.env.max_turns
         if not self.done:
-            self.compressor.finish_step(f"{self.observation_text}\n{action_text}", feedback.reward)
+            self.compressor.finish_step(step_text(self.observation_text, action_text), feedback.reward)
             self.observation_text = feedback.observation
             self.observation_ids = self.roller.chat.feedback_observation(feedback.observation, action_ids)
 
@@ -165,7 +99,8 @@ class Roller:
         self.generation = generation_settings(config)
         self.env_factory = env_factory or (lambda: make_env(config.env))
         self.policy = policy
-        self.chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), self.generation)
+        self.chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir),
+                               self.generation.system_prompt, self.generation.stop)
         self.encoder = encoder
         self.temporal_filter = temporal_filter
         self.sampler_id = sampler_id
@@ -178,14 +113,14 @@ class Roller:
             raise result
         return result
 
-    def start(self, task: Task, behaviour_version: int) -> Episode | EnvFailure:
+    def start(self, task: Task, behaviour_version: int) -> LiveEpisode | EnvFailure:
         """A new episode of `task` (its env reset), or the EnvFailure of a reset that failed."""
         try:
-            return Episode(self, task, self.env_factory(), behaviour_version)
+            return LiveEpisode(self, task, self.env_factory(), behaviour_version)
         except EnvFailure as failure:
             return failure
 
-    def step(self, episodes: list[Episode], greedy: bool = False) -> list[Trajectory | EnvFailure | None]:
+    def step(self, episodes: list[LiveEpisode], greedy: bool = False) -> list[Trajectory | EnvFailure | None]:
         """One turn of every episode, generated as one batch. Per episode: its trajectory if that
         turn ended it, its EnvFailure if the env failed, or None while it goes on."""
         generation = self.generation
@@ -215,7 +150,7 @@ class Roller:
         slots = slots or len(tasks)
         results: list[Trajectory | EnvFailure | None] = [None] * len(tasks)
         waiting = iter(enumerate(tasks))
-        live: dict[int, Episode] = {}
+        live: dict[int, LiveEpisode] = {}
         while True:
             while len(live) < slots and (item := next(waiting, None)) is not None:
                 index, task = item

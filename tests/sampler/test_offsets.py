@@ -1,6 +1,6 @@
 """Out-of-order task completion: a partition is committed only below its oldest unfinished task."""
 
-from sao.producers.offsets import OffsetTracker
+from sao.sampler.offsets import OffsetTracker
 
 
 def _positions(tracker):

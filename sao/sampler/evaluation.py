@@ -18,18 +18,18 @@ from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
 from sao.envs.registry import make_tasks
 from sao.policy.weights import build_policy, place_for_sampling, read_weights_into
-from sao.producers.rollout import Roller
+from sao.run_dir import RunDir
+from sao.sampler.rollout import Roller
 
 
 def weights_of(run_dir: Path, version: int) -> tuple[Path, str]:
     """Weights file and sha256 of a published version, from its sidecar."""
-    path = run_dir / "policy" / f"policy-v{version:06d}.safetensors"
-    sidecar = path.with_suffix(".json")
+    run_dir = RunDir(run_dir)
+    sidecar = run_dir.weights_sidecar(version)
     if not sidecar.is_file():
-        kept = sorted(int(p.stem.split("-v")[1]) for p in (run_dir / "policy").glob("policy-v*.safetensors"))
-        raise FileNotFoundError(f"policy v{version} is not in {run_dir / 'policy'} (kept: {kept or 'none'}; "
-                                "raise trainer.keep_versions to keep more)")
-    return path, json.loads(sidecar.read_text())["sha256"]
+        raise FileNotFoundError(f"policy v{version} is not in {run_dir.policy_dir} (kept: "
+                                f"{run_dir.kept_versions() or 'none'}; raise trainer.keep_versions to keep more)")
+    return run_dir.weights(version), json.loads(sidecar.read_text())["sha256"]
 
 
 def evaluate(config: SaoConfig, run_dir: Path, version: int, num_tasks: int, greedy: bool = True) -> dict:
@@ -49,7 +49,7 @@ def evaluate(config: SaoConfig, run_dir: Path, version: int, num_tasks: int, gre
     result = {"version": version, "tasks": num_tasks, "greedy": greedy, "split": "eval",
               "reward_mean": sum(rewards) / len(rewards), "first_try_success": sum(first_try) / len(first_try),
               "seconds": time.perf_counter() - started}
-    out = run_dir / "eval" / f"v{version:06d}.json"
+    out = RunDir(run_dir).eval_result(version)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result

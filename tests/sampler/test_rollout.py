@@ -9,7 +9,7 @@ from sao.envs.registry import make_env, make_tasks
 from sao.policy.context import training_inputs
 from sao.policy.model import collate_steps
 from sao.policy.weights import build_policy
-from sao.producers.rollout import Roller
+from sao.sampler.rollout import Roller
 from sao.schema import Trajectory, decode, encode
 
 
@@ -126,8 +126,8 @@ def test_real_smollm2_rollout_is_rescored_exactly(encoder):
 
 def test_sampler_dead_letters_a_failing_env_and_goes_on(kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path):
     """Through the real broker: the failing task lands in the DLQ with its reason, the next task runs."""
-    from sao.launcher import feed_tasks
-    from sao.producers.sampler import Sampler
+    from sao.feeder import feed_tasks
+    from sao.sampler.loop import Sampler
     from sao.transport.dlq import describe_dlq_message
     from sao.transport.kafka import read_all
     from sao.transport.topics import ensure_topics

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sao.envs.textworld import TextWorldEnv
+from sao.envs.textworld_agents import Agent, expert_action
+from sao.policy.chat import step_text, user_turn_text
 from sao.schema import Memory, SchemaError, Step, Trajectory, decode, encode
 
 if TYPE_CHECKING:
@@ -37,8 +40,6 @@ logger = logging.getLogger(__name__)
 
 EPISODE_FORMAT = "sao-episode-v1"
 _LENGTH = struct.Struct("<I")
-# ChatML, the template of SmolLM2 and many others: the user's message inside a decoded observation.
-_CHATML_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Episode:
 
     def texts(self) -> list[str]:
         """Each step's text as the sampler encodes it: observation, newline, action."""
-        return [f"{step.observation}\n{step.action}" for step in self.steps]
+        return [step_text(step.observation, step.action) for step in self.steps]
 
     def rewards(self) -> list[float]:
         return [step.reward for step in self.steps]
@@ -129,20 +130,11 @@ def read_trajectory_records(path: str | Path) -> Iterator[Trajectory]:
         offset = start + length
 
 
-def _user_text(tokenizer: PreTrainedTokenizerBase, ids) -> str:
-    decoded = tokenizer.decode(list(map(int, ids)), skip_special_tokens=False)
-    found = _CHATML_USER.findall(decoded)
-    if found:
-        return found[-1]
-    # Another chat template: the plain text without special tokens is the best guess.
-    return tokenizer.decode(list(map(int, ids)), skip_special_tokens=True).strip()
-
-
 def episode_from_trajectory(trajectory: Trajectory, tokenizer: PreTrainedTokenizerBase) -> Episode:
     """Recover the sampler's step texts from token ids: the user turn before each action, and the action."""
     steps = []
     for index, step in enumerate(trajectory.steps):
-        observation = _user_text(tokenizer, trajectory.prompt_ids if index == 0 else step.observation_ids)
+        observation = user_turn_text(tokenizer, trajectory.prompt_ids if index == 0 else step.observation_ids)
         action = tokenizer.decode(list(map(int, step.action_ids)), skip_special_tokens=True)
         steps.append(EpisodeStep(observation, action, float(step.reward), bool(step.done)))
     return Episode(trajectory.env, trajectory.task_id, steps, agent=f"policy v{trajectory.behaviour_version}")
@@ -188,7 +180,7 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
                    embeddings: np.ndarray | None = None) -> tuple[Trajectory, list[Decision]]:
     """The trajectory a sampler would send had its policy taken the recorded actions.
 
-    `chat` is the sampler's `sao.producers.rollout.ChatFormat` (token ids are built exactly as
+    `chat` is the sampler's `sao.policy.chat.ChatFormat` (token ids are built exactly as
     in a rollout; each action ends with the end-of-turn token). Behaviour log-probs are 0: no
     policy sampled these actions. Memory is built by `compress_batch`, which equals the
     sampler's online path, over every step but a final `done` one, as the sampler does.
@@ -201,13 +193,12 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
     table, _, decisions = compress_batch(
         episode.texts()[:compressed], episode.rewards()[:compressed], encoder, temporal_filter,
         recent_window=recent_window, embeddings=None if embeddings is None else embeddings[:compressed])
-    end_of_turn = [chat.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     steps = []
     for index, step in enumerate(episode.steps):
         observation_ids = (chat.first_observation(step.observation) if index == 0
                            else chat.feedback_observation(step.observation, steps[-1].action_ids))
-        action_ids = np.asarray(chat.tokenizer(step.action, add_special_tokens=False)["input_ids"] + end_of_turn,
-                                dtype=np.int32)
+        action_tokens = chat.tokenizer(step.action, add_special_tokens=False)["input_ids"]
+        action_ids = np.asarray(action_tokens + chat.end_of_turn_ids.tolist(), dtype=np.int32)
         visible = len(visible_slots_at(table.created_at_step, index, recent_window))
         steps.append(Step(observation_ids, action_ids, np.zeros(len(action_ids), np.float32), step.reward,
                           step.done, visible))
@@ -219,3 +210,19 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
         sampler_id=sampler_id, behaviour_version=0, prompt_ids=chat.prompt(prompt_text), steps=steps,
         memory=memory, temperature=1.0, encoder=encoder.name, recent_window=recent_window)
     return trajectory, decisions
+
+
+def record_episode(env: TextWorldEnv, task_id: str, spec: dict, agent: Agent) -> Episode:
+    """Play one labyrinth episode with a scripted agent; each step is labelled with the expert's command."""
+    observation = env.reset(spec)
+    steps = []
+    while True:
+        label = expert_action(env)
+        action = agent.act(env)
+        feedback = env.step(action)
+        steps.append(EpisodeStep(observation, action, feedback.reward, feedback.done, label))
+        if feedback.done:
+            break
+        observation = feedback.observation
+    return Episode(env.name, task_id, steps, agent.name,
+                   {"solved": feedback.info["solved"], "delivered": feedback.info["delivered"], "spec": dict(spec)})

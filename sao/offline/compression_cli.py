@@ -1,7 +1,7 @@
 """`sao compression …`: record scripted episodes, train the temporal filter, inspect its decisions.
 
 Episodes come from a file (JSONL episodes, or length-prefixed trajectory messages: see
-sao/compression/episodes.py), from the trajectories topic (`--bootstrap-servers`), or are
+sao/offline/episodes.py), from the trajectories topic (`--bootstrap-servers`), or are
 played on the spot by an env's scripted agents (`--from-env textworld`).
 """
 
@@ -10,42 +10,42 @@ from __future__ import annotations
 import logging
 import shlex
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from sao.compression.episodes import (
+from sao.config import ConfigError, SaoConfig, load_config
+from sao.offline.episodes import (
     Episode,
     holds_trajectory_records,
     read_episodes,
     read_episodes_from_topic,
     write_episodes,
 )
-from sao.config import ConfigError, SaoConfig, load_config
 
 compression_app = typer.Typer(help="The context compressor: record episodes, train the temporal filter, inspect it.",
                               no_args_is_help=True)
 console = Console(stderr=True)
 logger = logging.getLogger(__name__)
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any knob: section.knob=value.")]
-InputOpt = Annotated[Optional[Path], typer.Option(
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any knob: section.knob=value.")]
+InputOpt = Annotated[Path | None, typer.Option(
     "--input", help="Recorded episodes: JSONL, or length-prefixed trajectory messages.")]
-BootstrapOpt = Annotated[Optional[str], typer.Option(help="Read trajectories from this Kafka instead of a file.")]
-FromEnvOpt = Annotated[Optional[str], typer.Option(help="Play episodes with this env's scripted agents (textworld).")]
+BootstrapOpt = Annotated[str | None, typer.Option(help="Read trajectories from this Kafka instead of a file.")]
+FromEnvOpt = Annotated[str | None, typer.Option(help="Play episodes with this env's scripted agents (textworld).")]
 AgentOpt = Annotated[str, typer.Option(help="Scripted agent: expert, noisy, random, or mix (4 noisy : 1 random).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the agents, the worlds (env.seed) and the LSTM training.")]
-EncoderOpt = Annotated[Optional[str], typer.Option(
+EncoderOpt = Annotated[str | None, typer.Option(
     help="Sentence encoder path or name (default: compression.encoder).")]
 NoiseOpt = Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")]
-MaxMessagesOpt = Annotated[Optional[int], typer.Option(help="With --bootstrap-servers: read at most this many.")]
+MaxMessagesOpt = Annotated[int | None, typer.Option(help="With --bootstrap-servers: read at most this many.")]
 KeepRatioOpt = Annotated[float, typer.Option(min=0.01, max=1.0, help="Calibrate the threshold to keep this share of steps.")]
-WeightsOpt = Annotated[Optional[Path], typer.Option(help="Filter weights (default: compression.temporal_weights).")]
-ThresholdOpt = Annotated[Optional[float], typer.Option(
+WeightsOpt = Annotated[Path | None, typer.Option(help="Filter weights (default: compression.temporal_weights).")]
+ThresholdOpt = Annotated[float | None, typer.Option(
     help="Keep threshold (default: compression.keep_threshold, else the weights').")]
 OutOpt = Annotated[Path, typer.Option(help="Weights file to write (.safetensors; a .json sidecar goes beside it).")]
 
@@ -70,7 +70,8 @@ def scripted_episodes(cfg: SaoConfig, env_name: str, count: int, agent: str, noi
         raise typer.BadParameter(f"scripted agents exist for textworld only, not {env_name!r}; record other envs "
                                  "with `sao sampler` and train from the trajectories topic", param_hint="--from-env")
     from sao.envs.textworld import TextWorldEnv
-    from sao.envs.textworld_agents import make_agent, record_episode
+    from sao.envs.textworld_agents import make_agent
+    from sao.offline.episodes import record_episode
 
     env_config = cfg.env.model_copy(update={"name": env_name, "seed": seed})
     try:
@@ -186,7 +187,7 @@ def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
             encoder: EncoderOpt = None,
             temporal_weights: WeightsOpt = None,
             threshold: ThresholdOpt = None,
-            limit: Annotated[Optional[int], typer.Option(min=1, help="Show at most this many rows.")] = None,
+            limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many rows.")] = None,
             kept_only: Annotated[bool, typer.Option(help="Show only the kept steps.")] = False,
             width: Annotated[int, typer.Option(min=10, help="Characters of step text shown.")] = 70,
             config: ConfigOpt = None, set_: SetOpt = None) -> None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
-from sao.consumers.buffer import BufferEntry
 from sao.metrics import TRANSPORT_DUPLICATES, record_delivery
 from sao.schema import SchemaError, Trajectory, decode
+from sao.trainer.buffer import BufferEntry
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import make_consumer
 from sao.transport.lag import LagReporter

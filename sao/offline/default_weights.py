@@ -5,7 +5,7 @@ scripted agents of sao.envs.textworld_agents) are generated deterministically fr
 the sampler's step-text format (observation + "\\n" + action), embedded with the default
 encoder, and used to train the LSTM and calibrate one keep threshold for both.
 
-    python -m sao.compression.default_weights --seed 0
+    python -m sao.offline.default_weights --seed 0
 
 This build script reads the envs; the compression library itself does not import them.
 """
@@ -132,7 +132,8 @@ def labyrinth_episodes(seed: int, count: int = 20) -> list[list[str]]:
     """`count` text-labyrinth episodes of varied size: 4 in 5 by the noisy expert, 1 in 5 random."""
     from sao.config import EnvConfig
     from sao.envs.textworld import TextWorldEnv
-    from sao.envs.textworld_agents import make_agent, record_episode
+    from sao.envs.textworld_agents import make_agent
+    from sao.offline.episodes import record_episode
 
     rng = random.Random(seed)
     env, episodes = TextWorldEnv(), []
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         **temporal_filter.meta,
         "threshold": temporal_filter.threshold,
-        "command": " ".join(["python -m sao.compression.default_weights", *argv]),
+        "command": " ".join(["python -m sao.offline.default_weights", *argv]),
         "corpus": f"synthetic arithmetic tutoring: {args.short_episodes} short + "
                   f"{args.long_episodes} long episodes, questions from {question_source()}; "
                   f"{args.labyrinth_episodes} textworld episodes by the scripted agents",

@@ -1,0 +1,75 @@
+"""The task feeder of `sao run`: tasks onto `sao.tasks`, under backpressure from the trainer.
+
+`sao feed` sends a fixed number of tasks at once; `sao run` tops up in waves so samplers never
+run more than `in_flight_cap` trajectories ahead of the trainer, which bounds staleness instead
+of producing work that goes stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sao.config import SaoConfig
+from sao.envs.registry import make_tasks
+from sao.metrics import record_feed
+from sao.schema import encode
+from sao.transport.kafka import make_producer
+
+
+class TasksNotAcknowledged(RuntimeError):
+    """The broker did not acknowledge every task in time; the message names the broker."""
+
+
+def attempts_per_task(config: SaoConfig) -> int:
+    """SAO samples each task once; the GRPO baseline samples it group_size times."""
+    return config.trainer.group_size if config.trainer.algorithm == "grpo" else 1
+
+
+def in_flight_cap(config: SaoConfig) -> int:
+    """Trajectories fed but not yet trained on, at most (never less than one task's attempts).
+
+    SAO: 2 batches, so samplers stay busy while the trainer steps, and staleness stays near 1.
+    GRPO: one batch, i.e. synchronous - the next batch is sampled only with the new policy.
+    """
+    default = config.trainer.batch_size * (1 if config.trainer.algorithm == "grpo" else 2)
+    return max(config.run.max_tasks_in_flight or default, attempts_per_task(config))
+
+
+def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int = 0, producer=None) -> int:
+    """Produce tasks [start_index, start_index + count), each `attempts_per_task` times (acks=all).
+
+    Returns how many task messages (= trajectories to expect) were acknowledged.
+    """
+    producer = producer or make_producer(bootstrap)
+    sent = 0
+    for task in make_tasks(config.env, count, start_index):
+        for attempt in range(attempts_per_task(config)):
+            message = replace(task, attempt=attempt)  # attempt makes the trajectory_id distinct
+            producer.produce(config.topics.tasks, value=encode(message), key=task.task_id)
+            producer.poll(0)
+            sent += 1
+    undelivered = producer.flush(30)
+    if undelivered:
+        raise TasksNotAcknowledged(f"{undelivered} tasks were not acknowledged by the broker at {bootstrap}")
+    return sent
+
+
+class Feeder:
+    """Feeds `run.num_tasks` tasks in waves, whole tasks at a time, as the trainer catches up."""
+
+    def __init__(self, config: SaoConfig, bootstrap: str):
+        self.config, self.bootstrap = config, bootstrap
+        self.attempts = attempts_per_task(config)
+        self.total = config.run.num_tasks * self.attempts  # trajectories the run will produce
+        self.cap = in_flight_cap(config)
+        self.producer = make_producer(bootstrap)
+        self.fed = 0
+
+    def top_up(self, handled: int) -> int:
+        """Feed as many whole tasks as keep at most `cap` trajectories in flight, given how many
+        the trainer has `handled` (trained or dead-lettered); returns the messages sent."""
+        wave = min(self.total - self.fed, self.cap - (self.fed - handled)) // self.attempts
+        sent = feed_tasks(self.config, self.bootstrap, wave, self.fed // self.attempts, self.producer) if wave > 0 else 0
+        self.fed += sent
+        record_feed(sent, self.fed - handled)
+        return sent

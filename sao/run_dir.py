@@ -1,0 +1,69 @@
+"""The run directory's layout: the one place that knows its folders and file names.
+
+```
+RUN_DIR/
+  config.toml            the effective config of `sao run` (trainer-config.toml: the trainer's, for evals)
+  summary.json report.md plots/
+  logs/<process>.log     broker, trainer, sampler-N, eval-vNNNNNN
+  status/<process>.json  progress files (sao/status.py): trainer, trainer-rankN, sampler-N
+  policy/policy-vNNNNNN.safetensors (+ .json sidecar with its sha256): the last kept versions
+  checkpoints/           DeepSpeed checkpoints with sao's state (sao/trainer/checkpoint.py)
+  trained.jsonl          the ledger: which trajectories each optimizer step trained on
+  eval/vNNNNNN.json      `sao eval` results
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+_WEIGHTS_PREFIX = "policy-v"
+
+
+def _at(*parts: str) -> property:
+    """A fixed path under the run directory, as a read-only attribute."""
+    return property(lambda self: self.root.joinpath(*parts))
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    config = _at("config.toml")  # the effective config of `sao run`
+    summary = _at("summary.json")
+    report = _at("report.md")
+    plots = _at("plots")
+    logs = _at("logs")
+    status_dir = _at("status")
+    trainer_config = _at("trainer-config.toml")  # the trainer's own, for the evaluations it starts
+    checkpoints = _at("checkpoints")
+    ledger = _at("trained.jsonl")
+    policy_dir = _at("policy")
+
+    def log(self, process: str) -> Path:
+        return self.logs / f"{process}.log"
+
+    def status(self, process: str) -> Path:
+        """Progress file of `process` ("trainer", "trainer-rank1", "sampler-0", ...)."""
+        return self.status_dir / f"{process}.json"
+
+    def weights(self, version: int) -> Path:
+        return self.policy_dir / f"{_WEIGHTS_PREFIX}{version:06d}.safetensors"
+
+    def weights_sidecar(self, version: int) -> Path:
+        """The announcement's facts (sha256 above all) beside the file, for readers without Kafka."""
+        return self.weights(version).with_suffix(".json")
+
+    def kept_versions(self) -> list[int]:
+        """Versions whose weights are still on disk, oldest first."""
+        return sorted(int(p.stem[len(_WEIGHTS_PREFIX):]) for p in self.policy_dir.glob(f"{_WEIGHTS_PREFIX}*.safetensors"))
+
+    def eval_log(self, version: int) -> Path:
+        return self.log(f"eval-v{version:06d}")
+
+    def eval_result(self, version: int) -> Path:
+        return self.root / "eval" / f"v{version:06d}.json"
