@@ -1,23 +1,30 @@
-"""Does the default run learn? `sao run` once per seed; reward of the first vs the last window.
+"""Does the default run learn? `sao run` once per seed; held-out first-try success before vs after.
 
     python benchmarks/learning.py [--seeds 0 1 2] [--runs-dir runs/learning] [--json PATH] [-- extra sao run args]
 
-Each seed is a whole default run (`env.seed` changes the task stream; everything else is the
-default config unless extra arguments follow `--`). From each run's summary.json it prints the
-mean reward of the first and of the last `run.reward_window` (20%) of trained trajectories, the
-gain with its standard error, and the wall time; then the gain averaged over seeds, whose
-standard error is sqrt(sum of squared per-run errors) / seeds. The baseline of each run is its
-own first window, measured in the same run.
+Each seed is a whole default run (`env.seed` changes the training stream; everything else is the
+default config unless extra arguments follow `--`). Each run ends by scoring the base model and
+its final version, greedily, on the same held-out tasks it never trained on (`run.heldout_*`);
+from each summary.json this prints their first-try success, the paired gain with its standard
+error over tasks, the sampled reward of the first and last behaviour versions, and the wall time.
+Over seeds it prints the mean gain with two standard errors: across seeds (sd of the per-seed
+gains / sqrt(seeds): the run's own randomness) and over tasks (sqrt(sum of squared per-seed
+errors) / seeds). Every seed is scored on the same held-out tasks, so the task error does not
+shrink with more seeds; the base model's scores come from the held-out cache after the first run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n", "reward_first_version",
+        "reward_last_version", "trajectories_trained", "staleness_mean", "importance_ratio_abs_dev_mean")
 
 
 def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
@@ -28,14 +35,25 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
     if completed.returncode != 0:
         raise SystemExit(f"seed {seed}: sao run failed ({completed.returncode}): {completed.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
+    if summary.get("heldout_gain") is None:
+        raise SystemExit(f"seed {seed}: {run_dir}/summary.json has no held-out figures (is run.heldout_eval off?)")
     return {"seed": seed, "wall_s": time.perf_counter() - started, "run_dir": str(run_dir),
-            **{key: summary[key] for key in ("reward_first_window", "reward_last_window", "reward_gain",
-                                             "reward_gain_stderr", "reward_window_size", "trajectories_trained",
-                                             "staleness_mean", "importance_ratio_abs_dev_mean")}}
+            **{key: summary.get(key) for key in KEYS}}
+
+
+def over_seeds(results: list[dict]) -> dict:
+    """Mean held-out gain over seeds, with its error across seeds and over tasks."""
+    gains = [r["heldout_gain"] for r in results]
+    errors = [r["heldout_gain_stderr"] for r in results]
+    return {"gain": sum(gains) / len(gains),
+            "gain_stderr_seeds": statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else None,
+            "gain_stderr_tasks": None if None in errors else sum(e ** 2 for e in errors) ** 0.5 / len(errors),
+            "base": sum(r["heldout_base"] for r in results) / len(results),
+            "positive": sum(g > 0 for g in gains), "seeds": len(results)}
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)  # a window of 1 has no standard error
+    return "n/a" if value is None else format(value, spec)  # one seed (or one task) has no standard error
 
 
 def main() -> None:
@@ -50,29 +68,30 @@ def main() -> None:
     from rich.table import Table
 
     results = [run_seed(seed, args.runs_dir, args.extra) for seed in args.seeds]
-    table = Table(title="default run: reward of the first vs the last 20% of trained trajectories")
-    for column in ("seed", "first", "last", "gain ± s.e.", "staleness", "|rho-1|", "wall s"):
+    table = Table(title="default run: greedy first-try success on held-out tasks, base model vs final version")
+    for column in ("seed", "n", "base", "final", "gain ± s.e.", "reward v first/last", "staleness", "|rho-1|",
+                   "wall s"):
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(str(r["seed"]), f"{r['reward_first_window']:.3f}", f"{r['reward_last_window']:.3f}",
-                      f"{r['reward_gain']:+.3f} ± {_fmt(r['reward_gain_stderr'], '.3f')}",
+        table.add_row(str(r["seed"]), str(r["heldout_n"]), f"{r['heldout_base']:.3f}", f"{r['heldout_final']:.3f}",
+                      f"{r['heldout_gain']:+.3f} ± {_fmt(r['heldout_gain_stderr'], '.3f')}",
+                      f"{_fmt(r['reward_first_version'], '.2f')}/{_fmt(r['reward_last_version'], '.2f')}",
                       _fmt(r["staleness_mean"], ".2f"), _fmt(r["importance_ratio_abs_dev_mean"], ".3f"),
                       f"{r['wall_s']:.0f}")
     console = Console()
     console.print(table)
-    gain = sum(r["reward_gain"] for r in results) / len(results)
-    errors = [r["reward_gain_stderr"] for r in results]
-    stderr = None if None in errors else sum(e ** 2 for e in errors) ** 0.5 / len(results)
-    first = sum(r["reward_first_window"] for r in results) / len(results)
-    positive = sum(r["reward_gain"] > 0 for r in results)
-    console.print(f"mean gain {gain:+.3f} ± {_fmt(stderr, '.3f')} (s.e.) over {len(results)} seeds, "
-                  f"{_fmt(gain / stderr if stderr else None, '.1f')} standard errors; last / first window "
-                  f"{(first + gain) / first if first else float('nan'):.2f}x; gain > 0 in {positive} of {len(results)}")
+    total = over_seeds(results)
+    seeds_se, tasks_se = total["gain_stderr_seeds"], total["gain_stderr_tasks"]
+    console.print(f"mean held-out gain {total['gain']:+.3f} over {total['seeds']} seeds: ± {_fmt(seeds_se, '.3f')} "
+                  f"across seeds ({_fmt(total['gain'] / seeds_se if seeds_se else None, '.1f')} s.e.), "
+                  f"± {_fmt(tasks_se, '.3f')} over tasks; base {total['base']:.3f}; "
+                  f"gain > 0 in {total['positive']} of {total['seeds']}")
     if args.json:
         args.json.write_text(json.dumps({
-            "headline": {"metric": "mean reward, last 20% of trained trajectories", "unit": "reward",
-                         "value": first + gain, "baseline": first, "ratio": (first + gain) / first if first else None},
-            "gain": gain, "gain_stderr": stderr, "runs": results}, indent=2))
+            "headline": {"metric": "greedy first-try success on held-out tasks, final version",
+                         "unit": "fraction of tasks", "value": total["base"] + total["gain"],
+                         "baseline": total["base"]},
+            **total, "runs": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The `sao` command line: run, broker, topics, feed, sampler, trainer, inspect, config.
+"""The `sao` command line: run, broker, topics, feed, sampler, trainer, inspect, audit, config.
 
 Every flag maps onto one field of the typed config (`sao/config.py`); `--set section.knob=value`
 reaches any other field. Flags win over `--set`, which wins over env vars and the TOML file.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from sao.config import ConfigError, SaoConfig, load_config, to_toml
@@ -83,6 +86,18 @@ def _bootstrap(config: SaoConfig, flag: str | None) -> str:
     return bootstrap
 
 
+@contextmanager
+def _exit_when_broker_gone() -> Iterator[None]:
+    """A lost or replaced broker ends `sao sampler` / `sao trainer` with its message and exit code 3."""
+    from sao.transport.health import BrokerGone
+
+    try:
+        yield
+    except BrokerGone as gone:
+        console.print(f"[red]broker gone:[/] {escape(str(gone))}", soft_wrap=True)  # one line: greppable in logs
+        raise typer.Exit(gone.exit_code) from gone
+
+
 @app.command()
 def run(config: ConfigOpt = None, set_: SetOpt = None,
         run_dir: RunDirOpt = None,
@@ -125,7 +140,14 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     from sao.sampler.loop import Sampler
 
     status = RunDir(run_dir).status(sampler_id) if run_dir else None
-    Sampler(cfg, _bootstrap(cfg, bootstrap_servers), sampler_id, status).run(max_tasks)
+    if cfg.sampler.policy_dir is None and run_dir:
+        cfg.sampler.policy_dir = str(RunDir(run_dir).policy_dir)
+    if cfg.sampler.policy_dir is None:  # it could never load a new version: refuse to start rather than go stale
+        console.print("[red]no policy folder:[/] pass --run-dir (its policy/ is used) or set sampler.policy_dir "
+                      "to the folder the trainer publishes weights into (a shared mount on another machine)")
+        raise typer.Exit(2)
+    with _exit_when_broker_gone():
+        Sampler(cfg, _bootstrap(cfg, bootstrap_servers), sampler_id, status).run(max_tasks)
 
 
 @app.command()
@@ -142,7 +164,8 @@ def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
         _serve_metrics(cfg, cfg.metrics.trainer_port, "trainer")
     from sao.trainer.loop import Trainer
 
-    Trainer(cfg, _bootstrap(cfg, bootstrap_servers), run_dir, resume=resume).run(expect)
+    with _exit_when_broker_gone():
+        Trainer(cfg, _bootstrap(cfg, bootstrap_servers), run_dir, resume=resume).run(expect)
 
 
 @app.command()
@@ -174,13 +197,24 @@ StateDirOpt = Annotated[Path, typer.Option(help="Where the detached broker's pid
 
 @broker_app.command("start")
 def broker_start(port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1.")] = 9092,
-                 state_dir: StateDirOpt = Path(".sao/broker")) -> None:
-    """Start the embedded broker in the background (in-memory storage)."""
+                 state_dir: StateDirOpt = Path(".sao/broker"),
+                 storage: Annotated[str, typer.Option(
+                     help="memory: lost when the broker stops. s3: kept on disk under STATE_DIR/s3 by a local S3 "
+                          "server (pip install localbucket), survives a restart; see docs/reliability.md.")] = "memory",
+                 ) -> None:
+    """Start the embedded broker in the background."""
     from sao.transport.broker import start_detached
 
-    state = start_detached(state_dir, port)
-    console.print(f"broker running at [bold]{state['bootstrap']}[/] (pid {state['pid']}); "
-                  f"use --bootstrap-servers {state['bootstrap']}")
+    if storage not in ("memory", "s3"):
+        console.print(f"[red]unknown storage {storage!r}:[/] use memory or s3")
+        raise typer.Exit(2)
+    try:
+        state = start_detached(state_dir, port, storage=storage)
+    except FileNotFoundError as err:
+        console.print(f"[red]{escape(str(err))}[/]")
+        raise typer.Exit(2) from err
+    console.print(f"broker running at [bold]{state['bootstrap']}[/] (pid {state['pid']}, "
+                  f"{state.get('storage', 'memory')} storage); use --bootstrap-servers {state['bootstrap']}")
 
 
 @broker_app.command("stop")
@@ -222,26 +256,66 @@ def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | polic
     Console().print(inspect_topic(cfg, _bootstrap(cfg, bootstrap_servers), what, limit))
 
 
+@app.command()
+def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose trained.jsonl and checkpoints/ to read.")],
+          config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
+          finished: Annotated[bool | None, typer.Option(
+              "--finished/--running", help="Is the run over (then what is in flight counts as lost)? "
+                                           "Default: as the trainer's status file says.")] = None,
+          json_path: Annotated[Path | None, typer.Option("--json", help="Also write the report here, as JSON.")] = None,
+          read_timeout: Annotated[float, typer.Option(help="Seconds to read each topic at most.")] = 300.0,
+          quiet_s: Annotated[float, typer.Option(help="A topic is read to its end once it stays quiet this long.")] = 2.0,
+          ) -> None:
+    """Account for every task attempt fed: trained once, dead-lettered, in flight, lost, or trained twice.
+
+    Exits 1 if anything is lost or trained twice. Reads the topics, so the broker must still hold
+    them (`sao run` stops its embedded broker at the end: audit runs on an external one).
+    """
+    cfg = _config(config, set_)
+    from sao.audit import audit as audit_run
+    from sao.audit import report_table, write_json
+    from sao.run_dir import RunDir
+
+    report = audit_run(cfg, RunDir(run_dir), _bootstrap(cfg, bootstrap_servers), finished, read_timeout, quiet_s)
+    Console().print(report_table(report))
+    if json_path is not None:
+        write_json(report, json_path)
+    if not report.clean:
+        console.print("[red]audit failed:[/] something was lost or trained twice (see the table)")
+        raise typer.Exit(1)
+
+
 @app.command("eval")
 def eval_(config: ConfigOpt = None, set_: SetOpt = None,
           run_dir: Annotated[Path, typer.Option(help="Run directory whose policy/ holds the versions.")] = Path("runs/trainer"),
           version: Annotated[int, typer.Option(help="Policy version to score (0 = the base model).")] = 0,
-          num_tasks: Annotated[int, typer.Option(help="Held-out tasks to score on.")] = 32,
+          num_tasks: Annotated[int, typer.Option(help="Distinct held-out tasks to score, at most.")] = 32,
           greedy: Annotated[bool, typer.Option(help="Greedy actions (default) or sampled at policy.temperature.")] = True,
+          baseline: Annotated[int | None, typer.Option(
+              help="Also score this earlier version (0 = the base model, cached) on the same tasks, greedily, and "
+                   "report the paired first-try gain; writes RUN_DIR/eval/heldout.json.")] = None,
           ) -> None:
-    """Score one policy version on held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
+    """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
     cfg = _config(config, set_)
-    from sao.sampler.evaluation import evaluate
+    from sao.sampler.evaluation import compare, evaluate
 
     try:
-        result = evaluate(cfg, run_dir, version, num_tasks, greedy)
-    except FileNotFoundError as err:
+        if baseline is None:
+            result = evaluate(cfg, run_dir, version, num_tasks, greedy)
+            keys = ("tasks", "first_try_success", "first_try_stderr", "reward_mean", "env_failures", "seconds")
+        else:
+            result = compare(cfg, run_dir, version, baseline, cap=num_tasks)
+            keys = ("heldout_n", "heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr",
+                    "heldout_reward_base", "heldout_reward_final", "base_cached", "base_seconds", "final_seconds")
+    except (FileNotFoundError, ValueError) as err:
         console.print(f"[red]{err}[/]")
         raise typer.Exit(2) from err
-    table = Table(title=f"policy v{version} on {num_tasks} held-out tasks")
-    for key in ("reward_mean", "first_try_success", "seconds"):
-        table.add_row(key, f"{result[key]:.3f}")
+    table = Table(title=f"policy v{version}" + (f" vs v{baseline}" if baseline is not None else "")
+                  + f" on up to {num_tasks} held-out tasks")
+    for key in keys:
+        value = result[key]
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     Console().print(table)
 
 

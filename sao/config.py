@@ -23,6 +23,10 @@ class BrokerConfig(Section):
     bootstrap_servers: str | None = Field(
         None, description="Kafka bootstrap servers (host:port,...). Unset: `sao run` starts the embedded broker.")
     embedded_port: int = Field(0, ge=0, le=65535, description="Port of the embedded broker; 0 picks a free one.")
+    loss_timeout_s: float = Field(
+        60.0, gt=0, description="How long a sampler or the trainer keeps retrying an unreachable broker before it "
+                                "exits (code 3) naming what it held; a broker that comes back as another cluster "
+                                "(a restarted in-memory one) stops them at once. See docs/reliability.md.")
 
 
 class TopicsConfig(Section):
@@ -43,7 +47,15 @@ class SandboxConfig(Section):
                               "(RLIMIT_CPU is per process; wall_time_s bounds them all).")
     wall_time_s: float = Field(10.0, gt=0, description="Wall-clock seconds before the program and all it spawned are killed.")
     memory_mb: int = Field(512, ge=64, description="Address space per process, MiB (RLIMIT_AS).")
-    max_processes: int = Field(16, ge=1, description="Processes the program may have at once (RLIMIT_NPROC of its own uid).")
+    total_memory_mb: int = Field(
+        1024, ge=64, description="Memory of the whole sandbox (all its processes and tmpfs files, no swap), MiB: the "
+                                 "limit of a cgroup made for each run (v2 memory.max, else v1 memory.limit_in_bytes). "
+                                 "Without one (not root, no writable cgroup, or cgroup = false) the bound is "
+                                 "max_processes x memory_mb instead.")
+    cgroup: bool = Field(True, description="Put each run in a cgroup of its own (as root, where one can be made) "
+                                           "to enforce total_memory_mb and max_processes; false: rlimits only.")
+    max_processes: int = Field(16, ge=1, description="Processes the program may have at once (a cgroup's pids.max, "
+                                                     "and RLIMIT_NPROC of its own uid).")
     max_file_mb: int = Field(16, ge=1, description="Largest file the program may write, MiB (RLIMIT_FSIZE); its scratch "
                                                    "directory is a private tmpfs of this size.")
     output_chars: int = Field(2000, ge=100, description="stdout/stderr kept from the program (its tail).")
@@ -116,6 +128,16 @@ class SamplerConfig(Section):
     rollout_batch: int = Field(
         4, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
                              "refilled as soon as its episode ends); each is still one trajectory with its own env.")
+    policy_dir: str | None = Field(
+        None, description="The trainer's policy folder (RUN_DIR/policy; on another machine, a shared mount at the "
+                          "same path). An announced weights file must resolve directly inside it. Unset: RUN_DIR/policy "
+                          "of `sao sampler --run-dir`; `sao sampler` with neither refuses to start.")
+    max_weights_bytes: int = Field(
+        8 << 30, ge=1, description="Largest weights file a sampler reads, in bytes (compared with both the announced "
+                                   "and the actual size before reading); fp32 weights take 4 bytes per parameter.")
+    max_version_jump: int = Field(
+        1000, ge=1, description="An announced version more than this above the newest one read so far is refused "
+                                "as implausible (as is a negative one, or one above 2^62).")
 
 
 class TrainerConfig(Section):
@@ -154,6 +176,14 @@ class TrainerConfig(Section):
     value_coef: float = Field(0.5, ge=0, description="Weight of the value head's squared error in the loss.")
     max_staleness: int = Field(8, ge=0, description="Trajectories more policy versions behind are not trained on (DLQ'd).")
     freshness_decay: float = Field(1.0, gt=0, le=1, description="Loss weight freshness_decay ** staleness.")
+    max_abs_reward: float = Field(
+        1e4, gt=0, description="A trajectory with a step reward or total reward beyond +-this is dead-lettered "
+                               "(out-of-range) before it can reach the baseline or the loss.")
+    max_trajectory_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024,
+        description="A trajectory message larger than this is dead-lettered unread (too-large). The dead-letter "
+                    "topic carries the original bytes up to the producer's limit (MAX_MESSAGE_BYTES in "
+                    "sao/transport/kafka.py); beyond it only the headers, and the message stays at its source offset.")
     sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
     checkpoint_every: int = Field(100, ge=1, description="Save a DeepSpeed checkpoint + offsets every N steps.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: run forever).")
@@ -182,8 +212,19 @@ class RunConfig(Section):
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
     max_tasks_in_flight: int | None = Field(
         None, ge=1, description="Backpressure: tasks fed but not yet trained on, at most; unset = 2 x trainer.batch_size.")
-    timeout_s: float = Field(1500, gt=0, description="Abort the run after this many seconds.")
-    reward_window: float = Field(0.2, gt=0, le=0.5, description="Fraction of trajectories in the first/last reward window.")
+    timeout_s: float = Field(1500, gt=0, description="Abort the run after this many seconds (the training part; "
+                                                     "the held-out evaluation after it is not counted).")
+    heldout_eval: bool = Field(
+        True, description="After training, score the base model (v0) and the final version greedily on the same "
+                          "held-out tasks (the env's eval split, never trained on); their paired first-try gain "
+                          "leads summary.json. false: skip it (tests, quick runs).")
+    heldout_cap: int = Field(128, ge=1, description="Distinct held-out tasks scored at most (the default domain "
+                                                    "has 129).")
+    heldout_batch: int = Field(16, ge=1, description="Held-out episodes run side by side (one batched forward per "
+                                                     "token) during that evaluation.")
+    heldout_cache_dir: str | None = Field(
+        "~/.cache/sao/heldout", description="Where the base model's held-out results are kept, per model, settings "
+                                            "and tasks, so later runs do not score it again; unset = no cache.")
 
 
 class MetricsConfig(Section):

@@ -1,43 +1,68 @@
-"""`sao inspect`: read a topic from the beginning and show its messages as a table."""
+"""`sao inspect`: read a topic from the beginning and show its messages as a table.
+
+What a topic holds is untrusted: a message that cannot be decoded, or even shown, becomes a row
+saying so and why, and every text from a message is shown literally (never as rich markup).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich.table import Table
+from rich.text import Text
 
 from sao.config import SaoConfig
 from sao.schema import PolicyAnnouncement, SchemaError, Trajectory, decode
 from sao.transport.dlq import describe_dlq_message
 from sao.transport.kafka import read_all
 
+_COLUMNS = {
+    "trajectories": ("partition@offset", "trajectory", "sampler", "v_b", "steps", "reward", "memory", "ratio", "bytes"),
+    "dlq": ("partition@offset", "reason", "source", "detail"),
+    "policy": ("partition@offset", "version", "step", "bytes", "sha256", "path"),
+}
+
 
 def inspect_topic(config: SaoConfig, bootstrap: str, what: str, limit: int) -> Table:
     topic = {"trajectories": config.topics.trajectories, "dlq": config.topics.dlq, "policy": config.topics.policy}[what]
     messages = read_all(bootstrap, topic, timeout=10.0, max_messages=limit)
-    table = Table(title=f"{topic}: {len(messages)} message(s) shown (limit {limit})")
-    if what == "dlq":
-        for column in ("offset", "reason", "source", "detail"):
-            table.add_column(column)
-        for msg in messages:
-            info = describe_dlq_message(msg)
-            source = f"{info.get('source_topic')}[{info.get('source_partition')}]@{info.get('source_offset')}"
-            table.add_row(str(msg.offset()), info.get("reason", ""), source, info.get("detail", ""))
-        return table
-    if what == "policy":
-        for column in ("version", "step", "bytes", "sha256", "path"):
-            table.add_column(column)
-        for msg in messages:
-            ann = decode(msg.value(), PolicyAnnouncement)
-            table.add_row(str(ann.policy_version), str(ann.trainer_step), str(ann.num_bytes), ann.sha256[:12], ann.weights_path)
-        return table
-    for column in ("partition@offset", "trajectory", "sampler", "v_b", "steps", "reward", "memory", "ratio", "bytes"):
+    return messages_table(f"{topic}: {len(messages)} message(s) shown (limit {limit})", what, messages)
+
+
+def messages_table(title: str, what: str, messages: list) -> Table:
+    """One row per message of a `what` topic; an undecodable one gets a row with the reason instead."""
+    describe = {"trajectories": _trajectory_row, "dlq": _dlq_row, "policy": _policy_row}[what]
+    table = Table(title=title)
+    for column in _COLUMNS[what]:
         table.add_column(column)
     for msg in messages:
-        try:
-            t = decode(msg.value(), Trajectory)
-        except SchemaError as err:
-            table.add_row(f"{msg.partition()}@{msg.offset()}", f"[red]invalid: {err}[/]", "", "", "", "", "", "", "")
-            continue
-        table.add_row(f"{msg.partition()}@{msg.offset()}", t.trajectory_id, t.sampler_id, str(t.behaviour_version),
-                      str(len(t.steps)), f"{t.total_reward:.2f}", str(len(t.memory.vectors)),
-                      f"{t.compression.get('ratio', 0):.2f}", str(len(msg.value())))
+        where = f"{msg.partition()}@{msg.offset()}"
+        table.add_row(where, *_cells(describe, msg, len(_COLUMNS[what]) - 1))
     return table
+
+
+def _cells(describe: Callable, msg, width: int) -> list[Text]:
+    try:
+        cells = [Text(str(cell)) for cell in describe(msg)]
+    except SchemaError as err:
+        cells = [Text(f"could not decode ({err.reason}): {err}", style="red")]
+    except Exception as err:  # noqa: BLE001 - a viewer of untrusted bytes shows every message, whatever it holds
+        cells = [Text(f"could not decode ({type(err).__name__}): {err}", style="red")]
+    return cells + [Text("")] * (width - len(cells))
+
+
+def _trajectory_row(msg) -> list:
+    t = decode(msg.value(), Trajectory)
+    return [t.trajectory_id, t.sampler_id, t.behaviour_version, len(t.steps), f"{t.total_reward:.2f}",
+            len(t.memory.vectors), f"{float(t.compression.get('ratio', 0)):.2f}", len(msg.value())]
+
+
+def _dlq_row(msg) -> list:
+    info = describe_dlq_message(msg)
+    source = f"{info.get('source_topic')}[{info.get('source_partition')}]@{info.get('source_offset')}"
+    return [info.get("reason", ""), source, info.get("detail", "")]
+
+
+def _policy_row(msg) -> list:
+    ann = decode(msg.value(), PolicyAnnouncement)
+    return [ann.policy_version, ann.trainer_step, ann.num_bytes, ann.sha256[:12], ann.weights_path]

@@ -3,7 +3,8 @@
 Samplers and the trainer run as separate processes through the same CLI commands a cluster
 deployment uses (`sao sampler`, `sao trainer`), so `sao run` exercises the production path.
 They report progress through status files in the run directory; the launcher feeds tasks
-(sao/feeder.py), watches, then writes `summary.json`, `report.md` and plots (sao/report.py).
+(sao/feeder.py) and watches; then it scores the base model and the final version on held-out tasks
+(sao/sampler/evaluation.py) and writes `summary.json`, `report.md` and plots (sao/report.py).
 """
 
 from __future__ import annotations
@@ -73,13 +74,51 @@ def run(config: SaoConfig, console: Console) -> dict:
         _stop_all(processes)
         if broker is not None:
             broker.stop()
-    summary = build_summary(config, run_dir.root, time.time() - started)
+    duration_s = time.time() - started  # training only: throughput figures must not count the evaluation
+    _compare_on_heldout(config, run_dir, console)
+    summary = build_summary(config, run_dir.root, duration_s)
     run_dir.summary.write_text(json.dumps(summary, indent=2))
     console.print(summary_table(summary))
     report = write_report(run_dir.root, summary)
     console.print(f"run directory: [bold]{run_dir.root}[/] (summary.json, logs/, policy/, checkpoints/)")
     console.print(f"report: [bold]{report}[/] (plots in {run_dir.plots})")
     return summary
+
+
+def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) -> None:
+    """Base model vs final version, greedy, on the same held-out tasks (RUN_DIR/eval/heldout.json).
+
+    The summary leads with this comparison. A failure here is reported but does not cost the
+    run its summary; Ctrl-C skips it.
+    """
+    run_dir.heldout.unlink(missing_ok=True)  # a reused run directory must not report an earlier run's figures
+    if not config.run.heldout_eval:
+        return
+    final = read_status(run_dir.status("trainer")).get("policy_version", 0)
+    if not final:
+        console.print("[yellow]no policy version was published: the held-out comparison is skipped[/]")
+        return
+    from sao.sampler.evaluation import compare  # torch and the model load only when a run gets here
+
+    console.print(f"held-out evaluation: base model v0 vs final v{final} on up to {config.run.heldout_cap} "
+                  "tasks never trained on (greedy; Ctrl-C skips it) ...")
+    try:
+        # The trainer and samplers have exited: their CPU threads are free for this.
+        result = compare(config, run_dir.root, final, threads=config.sampler.num_samplers * config.sampler.torch_threads)
+    except KeyboardInterrupt:
+        console.print("[yellow]held-out evaluation interrupted: the summary has no held-out figures[/]")
+        return
+    except (OSError, ValueError, RuntimeError) as err:
+        log.exception("held-out evaluation failed")
+        console.print(f"[red]held-out evaluation failed ({err}): the summary has no held-out figures[/]")
+        return
+    if not result["heldout_n"]:
+        console.print(f"[red]the env failed on every held-out task: see {run_dir.heldout}[/]")
+        return
+    cached = " (base from the cache)" if result["base_cached"] else ""
+    console.print(f"held-out first-try success: v0 {result['heldout_base']:.3f} -> v{final} "
+                  f"{result['heldout_final']:.3f} on {result['heldout_n']} tasks{cached}, in "
+                  f"{result['base_seconds'] + result['final_seconds']:.0f} s")
 
 
 def _start_processes(config: SaoConfig, bootstrap: str, run_dir: RunDir) -> dict[str, subprocess.Popen]:

@@ -32,7 +32,10 @@ _SLOW_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 60
 _DELAY_SECONDS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 _RATIOS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
 _VERSIONS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
-_REWARDS = (-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5, 10)
+# prometheus_client drops a histogram's `_sum` when its first bucket is below 0 (OpenMetrics: a sum
+# that can fall breaks rate()), and the dashboards' mean reward is rate(_sum) / rate(_count). So the
+# ladder starts at 0: a negative reward (no built-in env gives one) is counted in le="0".
+_REWARDS = (0, 0.25, 0.5, 0.75, 1, 2, 5, 10)
 
 # --- samplers ----------------------------------------------------------------------------------
 SAMPLER_TRAJECTORIES = Counter("sao_sampler_trajectories_total", "Trajectories produced and acknowledged by Kafka.")
@@ -110,6 +113,10 @@ TRAINER_SAMPLING_TO_TRAINING = Histogram(
     "From a trajectory's creation in a sampler to the step that trained on it.", buckets=_DELAY_SECONDS)
 TRAINER_CHECKPOINT_SECONDS = Histogram(
     "sao_trainer_checkpoint_seconds", "Time to save one checkpoint (DeepSpeed state + offsets).", buckets=_SLOW_SECONDS)
+TRAINER_SKIPPED_STEPS = Counter(
+    "sao_trainer_skipped_steps_total",
+    "Optimizer steps not applied, by reason: non-finite-loss or non-finite-gradient (the weights, optimizer state "
+    "and baselines were left as they were; the batch went to the dead-letter topic).", ["reason"])
 
 
 def record_rollout(trajectory: Trajectory, produce_s: float) -> None:
@@ -143,7 +150,9 @@ def record_policy_reload(version: int, seconds: float) -> None:
 
 def record_delivery(topic: str, created_at: float, num_bytes: int, now: float | None = None) -> None:
     """A message created (by its producer) at `created_at` was consumed from `topic` now."""
-    TRANSPORT_DELIVERY_SECONDS.labels(topic=topic).observe(max(0.0, (now or time.time()) - created_at))
+    latency = (now or time.time()) - created_at
+    if math.isfinite(latency):  # a sender's NaN or infinite created_at would poison the histogram's sum for good
+        TRANSPORT_DELIVERY_SECONDS.labels(topic=topic).observe(max(0.0, latency))
     TRANSPORT_CONSUMED.labels(topic=topic).inc()
     TRANSPORT_CONSUMED_BYTES.labels(topic=topic).inc(num_bytes)
 
@@ -203,6 +212,11 @@ def record_checkpoint(seconds: float) -> None:
     TRAINER_CHECKPOINT_SECONDS.observe(seconds)
 
 
+def record_skipped_step(reason: str) -> None:
+    """The trainer skipped an optimizer step for `reason` (non-finite-loss, non-finite-gradient)."""
+    TRAINER_SKIPPED_STEPS.labels(reason=reason).inc()
+
+
 # --- Sentence encoder throughput (sao/compression/semantic.py) ---------------------------------
 # The compressor should be encoder-bound: compare these with sao_compression_* stage times.
 # Average throughput over a window: rate(sentences_total) / rate(seconds_total).
@@ -220,3 +234,32 @@ def record_encode(encoder: str, sentences: int, seconds: float) -> None:
     ENCODER_SECONDS.labels(encoder=encoder).inc(seconds)
     if seconds > 0:
         ENCODER_SENTENCES_PER_SECOND.labels(encoder=encoder).set(sentences / seconds)
+
+
+# --- Policy announcements refused (sao/transport/announcements.py, sao/sampler/loop.py) ---------
+# Refused, not dead-lettered: every sampler reads the whole policy topic on each start, so a DLQ
+# entry per reader would repeat the same bad announcement many times over.
+TRANSPORT_ANNOUNCEMENTS_REFUSED = Counter(
+    "sao_transport_announcements_refused_total",
+    "Policy announcements a reader refused, by reason: its bytes (decode-error, ...), its version, or the "
+    "weights file it names (outside-folder, wrong-name, not-a-file, too-large, size, sha256, format, tensors, ...).",
+    ["reason"])
+
+
+def record_announcement_refused(reason: str) -> None:
+    """A policy announcement was refused for `reason` (a short code) and skipped."""
+    TRANSPORT_ANNOUNCEMENTS_REFUSED.labels(reason=reason).inc()
+
+
+# --- Broker health (sao/transport/health.py) -----------------------------------------------------
+# Labelled by address so that a process that watches no broker (the launcher, an eval) exports no
+# series at all, rather than a 0 that reads as "unreachable".
+TRANSPORT_BROKER_UP = Gauge(
+    "sao_transport_broker_up",
+    "1 while this process's Kafka broker answers, 0 while it does not; the process gives up after "
+    "broker.loss_timeout_s.", ["bootstrap"])
+
+
+def record_broker_up(bootstrap: str, up: bool) -> None:
+    """This process's broker at `bootstrap` answers (`up`) or has stopped answering."""
+    TRANSPORT_BROKER_UP.labels(bootstrap=bootstrap).set(1 if up else 0)

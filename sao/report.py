@@ -1,8 +1,9 @@
 """End-of-run report: `report.md` and PNG plots in the run directory, from what the run recorded.
 
-Reads only files: `summary.json`, `config.toml` and the progress files in `status/` (the
-trainer's holds its `StepRecord`s). `build_summary` makes `summary.json` from the same files. So it works on any run
-directory, also after the fact: `python -m sao.report RUN_DIR`. Series a run did not record
+Reads only files: `summary.json`, `config.toml`, the progress files in `status/` (the trainer's
+holds its `StepRecord`s) and `eval/heldout.json` (the held-out comparison that ends `sao run`).
+`build_summary` makes `summary.json` from the same files. So it works on any run directory, also
+after the fact: `python -m sao.report RUN_DIR`. Series a run did not record
 are left out of the text, and their plot says so, rather than failing the report.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import statistics
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +22,7 @@ from rich.table import Table
 
 from sao.config import SaoConfig
 from sao.run_dir import RunDir
+from sao.stats import finite, mean, stderr
 from sao.status import StepRecord, per_trajectory, read_all_status, read_status, trainer_steps
 
 PLOTS = ("reward", "throughput", "staleness", "compression_ratio", "training")
@@ -37,28 +38,18 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
     steps = trainer_steps(trainer)
     max_staleness = _config_value(layout, "trainer", "max_staleness")
     layout.plots.mkdir(parents=True, exist_ok=True)
-    _plot_all(steps, max_staleness, layout.plots, summary.get("reward_window_size"))
+    _plot_all(steps, max_staleness, layout.plots, summary)
     layout.report.write_text(_markdown(layout.root, summary, trainer, samplers, steps, max_staleness))
     return layout.report
 
 
 # --- series ------------------------------------------------------------------------------------
 
-def _finite(values: list[Any]) -> list[float]:
-    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-
-
-def mean(values: list[Any]) -> float | None:
-    """Mean of the finite values (NaN, inf and None are left out); None when there are none."""
-    finite = _finite(values)
-    return sum(finite) / len(finite) if finite else None
-
-
 def _rolling_mean(values: list[float], window: int) -> list[float]:
     """Mean of the last `window` finite values at each point (NaN where there are none)."""
     out = []
     for i in range(len(values)):
-        recent = _finite(values[max(0, i - window + 1):i + 1])
+        recent = finite(values[max(0, i - window + 1):i + 1])
         out.append(sum(recent) / len(recent) if recent else float("nan"))
     return out
 
@@ -84,26 +75,53 @@ def _throughput(steps: list[StepRecord]) -> tuple[list[float], list[float], list
     return elapsed, cumulative, rates
 
 
-# --- summary -----------------------------------------------------------------------------------
+# --- summary ---------------------------------------------------------------------------------
 
-def _gain_stderr(first: list[float], last: list[float]) -> float | None:
-    """Standard error of mean(last) - mean(first), the windows taken as independent samples."""
-    if len(first) < 2 or len(last) < 2:
-        return None
-    return (statistics.variance(first) / len(first) + statistics.variance(last) / len(last)) ** 0.5
+HELDOUT_KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n")
+
+
+def reward_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
+    """Mean sampled reward of the trained trajectories of each behaviour version, with n and s.e.
+
+    Grouped by the version that sampled them, never by completion order: within a batch, quick
+    episodes (right at the first try) finish first, so windows of trained trajectories that do not
+    line up with versions mix policies and bias the comparison.
+    """
+    groups: dict[int, list[float]] = {}
+    for version, reward in zip(per_trajectory(steps, "behaviour_versions"), per_trajectory(steps, "rewards")):
+        if isinstance(reward, (int, float)) and math.isfinite(reward):
+            groups.setdefault(int(version), []).append(float(reward))
+    return [{"version": version, "n": len(rewards), "mean": sum(rewards) / len(rewards), "stderr": stderr(rewards)}
+            for version, rewards in sorted(groups.items())]
+
+
+def _heldout_figures(layout: RunDir) -> dict[str, Any]:
+    """The paired held-out comparison that ends `sao run` (None each when it did not run)."""
+    try:
+        result = json.loads(layout.heldout.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        result = {}
+    return {key: result.get(key) for key in HELDOUT_KEYS}
 
 
 def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
-    """The run's figures, from the progress files: what `sao run` prints and writes to summary.json."""
+    """The run's figures, from the progress files: what `sao run` prints and writes to summary.json.
+
+    It leads with what the run learned, measured on held-out tasks never trained on: greedy
+    first-try success of the base model and of the final version, and their paired difference.
+    """
     layout = RunDir(run_dir)
     samplers = read_all_status(layout.status_dir, "sampler-")
     trainer = read_status(layout.status("trainer"))
     steps = trainer_steps(trainer)
     rewards = per_trajectory(steps, "rewards")
-    window = max(1, int(len(rewards) * config.run.reward_window))
     versions = per_trajectory(steps, "behaviour_versions")
-    first, last = mean(rewards[:window]), mean(rewards[-window:])
+    by_version = reward_by_version(steps)
     return {
+        **_heldout_figures(layout),
+        "reward_first_version": by_version[0]["mean"] if by_version else None,
+        "reward_last_version": by_version[-1]["mean"] if by_version else None,
+        "reward_by_version": by_version,
         "trajectories_produced": sum(s.get("produced", 0) for s in samplers.values()),
         "trajectories_trained": len(rewards),
         "duplicates_dropped": trainer.get("duplicates", 0),
@@ -114,11 +132,6 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "max_behaviour_version": max(versions, default=0),
         "trajectories_from_reloaded_policy": sum(1 for v in versions if v > 0),
         "sampler_reloads": sum(s.get("reloads", 0) for s in samplers.values()),
-        "reward_first_window": first,
-        "reward_last_window": last,
-        "reward_window_size": window,
-        "reward_gain": None if not rewards else last - first,
-        "reward_gain_stderr": _gain_stderr(rewards[:window], rewards[-window:]),
         "compression_ratio": mean(per_trajectory(steps, "compression_ratios")),
         "importance_ratio_mean": mean([r.ratio_mean for r in steps]),
         "importance_ratio_abs_dev_mean": mean([r.ratio_abs_dev for r in steps]),
@@ -137,34 +150,27 @@ def summary_table(summary: dict) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        text = f"{value:.4g}" if isinstance(value, float) else str(value)
-        table.add_row(key, text)
+        table.add_row(key, f"{len(value)} entries, in report.md" if isinstance(value, list) else _fmt(value))
     return table
 
 
 # --- plots -------------------------------------------------------------------------------------
 
-def _plot_all(steps: list[StepRecord], max_staleness: Any, plots_dir: Path, reward_window: int | None = None) -> None:
+def _plot_all(steps: list[StepRecord], max_staleness: Any, plots_dir: Path, summary: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
 
-    def plot_series(name: str, key: str, ylabel: str, title: str, budget: float | None = None,
-                       windows: int | None = None) -> None:
+    def plot_series(name: str, key: str, ylabel: str, title: str, budget: float | None = None) -> None:
         fig, ax = plt.subplots(figsize=(8, 4))
-        values = _finite(per_trajectory(steps, key))
+        values = finite(per_trajectory(steps, key))
         if values:
             x = list(range(1, len(values) + 1))
             ax.plot(x, values, ".", alpha=0.35, label="per trajectory")
             ax.plot(x, _rolling_mean(values, _window(len(values))), "-", label=f"rolling mean ({_window(len(values))})")
             if budget is not None:
                 ax.axhline(budget, color="red", linestyle="--", label="trainer.max_staleness")
-            if windows and 2 * windows <= len(values):  # the first and last windows summary.json compares
-                for span, label in ((x[:windows], "first"), (x[-windows:], "last")):
-                    mean = sum(values[span[0] - 1:span[-1]]) / windows
-                    ax.hlines(mean, span[0], span[-1], colors="black", linewidth=2.5,
-                              label=f"{label} {windows}: mean {mean:.3f}")
             ax.set_xlabel("trajectories trained")
             ax.legend(loc="best")
         else:
@@ -173,7 +179,7 @@ def _plot_all(steps: list[StepRecord], max_staleness: Any, plots_dir: Path, rewa
         ax.set_title(title)
         _save(fig, plots_dir / f"{name}.png", plt)
 
-    plot_series("reward", "rewards", "total reward", "Reward of trained trajectories", windows=reward_window)
+    _plot_reward(steps, summary, plots_dir, plt)
     plot_series("staleness", "staleness", "policy versions behind", "Staleness at training time",
                 float(max_staleness) if isinstance(max_staleness, (int, float)) else None)
     plot_series("compression_ratio", "compression_ratios", "naive / compressed context bytes",
@@ -199,7 +205,7 @@ def _plot_all(steps: list[StepRecord], max_staleness: Any, plots_dir: Path, rewa
     fig, axes = plt.subplots(len(series), 1, figsize=(8, 7), sharex=True)
     for ax, (key, label) in zip(axes, series):
         values = [getattr(record, key) for record in steps]
-        if _finite(values):
+        if finite(values):
             ax.plot(range(1, len(values) + 1), [v if isinstance(v, (int, float)) else float("nan") for v in values],
                     "-o", markersize=3)
         else:
@@ -208,6 +214,32 @@ def _plot_all(steps: list[StepRecord], max_staleness: Any, plots_dir: Path, rewa
     axes[0].set_title("Training health per step")
     axes[-1].set_xlabel("optimizer step")
     _save(fig, plots_dir / "training.png", plt)
+
+
+def _plot_reward(steps: list[StepRecord], summary: dict[str, Any], plots_dir: Path, plt) -> None:
+    """Sampled reward per behaviour version (mean ± s.e.), and the held-out first-try success."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    groups = reward_by_version(steps)
+    if groups:
+        versions = [group["version"] for group in groups]
+        rewards = [(v, r) for v, r in zip(per_trajectory(steps, "behaviour_versions"), per_trajectory(steps, "rewards"))
+                   if isinstance(r, (int, float)) and math.isfinite(r)]
+        # Spread equal points sideways a little so that the many identical rewards stay visible.
+        ax.plot([v + 0.3 * ((i * 0.618) % 1 - 0.5) for i, (v, _) in enumerate(rewards)], [r for _, r in rewards],
+                ".", alpha=0.25, label="sampled reward, per trajectory")
+        ax.errorbar(versions, [group["mean"] for group in groups], yerr=[group["stderr"] or 0 for group in groups],
+                    fmt="-o", capsize=3, label="mean ± s.e. per behaviour version")
+        base, final = summary.get("heldout_base"), summary.get("heldout_final")
+        if base is not None and final is not None:
+            ax.plot([0, summary.get("policy_version") or max(versions)], [base, final], "s--", color="black",
+                    label=f"held-out first-try success, greedy (n={summary.get('heldout_n')})")
+        ax.set_xlabel("behaviour version (policy that sampled the trajectory)")
+        ax.legend(loc="best", fontsize="small")
+    else:
+        _no_data(ax, "rewards")
+    ax.set_ylabel("total reward")
+    ax.set_title("Reward by policy version")
+    _save(fig, plots_dir / "reward.png", plt)
 
 
 def _no_data(ax, key: str) -> None:
@@ -225,6 +257,8 @@ def _save(fig, path: Path, plt) -> None:
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return f"{len(value)} entries, below"
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return str(value)
@@ -237,12 +271,35 @@ def _config_value(run_dir: RunDir, section: str, key: str) -> Any:
         return None
 
 
+def _heldout_sentence(summary: dict[str, Any]) -> str:
+    base, final, gain, stderr, n = (summary.get(key) for key in HELDOUT_KEYS)
+    if gain is None:
+        return ("No held-out evaluation in this run (`run.heldout_eval = false`, no version published, or it "
+                "failed): the sampled rewards below are all there is.")
+    text = (f"On {n} held-out tasks never trained on, greedy first-try success went from {_fmt(base)} (base model) "
+            f"to {_fmt(final)} (final version): a paired gain of {_fmt(gain)} ± {_fmt(stderr)} (s.e. over tasks)")
+    if not stderr:
+        return text + "."
+    ratio = gain / stderr
+    verdict = ("beyond two, so unlikely to come from the choice of tasks alone" if abs(ratio) > 2
+               else "within two, so not distinguishable from no change on these tasks")
+    return (f"{text}: {ratio:+.1f} standard errors, {verdict}. The error covers the tasks, not the run's own "
+            "randomness: compare seeds (benchmarks/learning.py) before trusting a small gain.")
+
+
+def _version_table(groups: list[dict[str, Any]]) -> list[str]:
+    if not groups:
+        return ["No trained trajectories were recorded."]
+    return ["| behaviour version | n | mean reward | s.e. |", "|---:|---:|---:|---:|",
+            *[f"| {g['version']} | {g['n']} | {_fmt(g['mean'])} | {_fmt(g['stderr'])} |" for g in groups]]
+
+
 def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], samplers: dict[str, dict],
               steps: list[StepRecord], max_staleness: Any) -> str:
     duration = summary.get("duration_s")
     trained = summary.get("trajectories_trained")
     rate = trained / duration if isinstance(trained, (int, float)) and duration else None
-    staleness = _finite(per_trajectory(steps, "staleness"))
+    staleness = finite(per_trajectory(steps, "staleness"))
     lines = [
         f"# sao run report: {run_dir.name}",
         "",
@@ -256,14 +313,16 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         "|---|---:|",
         *[f"| {key} | {_fmt(value)} |" for key, value in summary.items()],
         "",
-        "## Reward",
+        "## What the run learned",
+        "",
+        _heldout_sentence(summary),
         "",
         "![reward](plots/reward.png)",
         "",
-        f"Mean reward of the first {_fmt(summary.get('reward_window_size'))} trajectories trained: "
-        f"{_fmt(summary.get('reward_first_window'))}; of the last ones: {_fmt(summary.get('reward_last_window'))} "
-        f"(gain {_fmt(summary.get('reward_gain'))} ± {_fmt(summary.get('reward_gain_stderr'))} standard error; "
-        "one run is one sample - compare seeds before trusting a gain of under two standard errors).",
+        "Sampled reward of the trained trajectories, by the policy version that sampled them (the tasks "
+        "differ from version to version, and sampling is not greedy: a trend, not a measurement):",
+        "",
+        *_version_table(summary.get("reward_by_version") or []),
         "",
         "## Throughput",
         "",

@@ -9,7 +9,7 @@ RUN_DIR/
   policy/policy-vNNNNNN.safetensors (+ .json sidecar with its sha256): the last kept versions
   checkpoints/           DeepSpeed checkpoints with sao's state (sao/trainer/checkpoint.py)
   trained.jsonl          the ledger: which trajectories each optimizer step trained on
-  eval/vNNNNNN.json      `sao eval` results
+  eval/vNNNNNN.json      `sao eval` results (eval/heldout.json: base vs final version, paired)
 ```
 """
 
@@ -41,8 +41,10 @@ class RunDir:
     status_dir = _at("status")
     trainer_config = _at("trainer-config.toml")  # the trainer's own, for the evaluations it starts
     checkpoints = _at("checkpoints")
+    latest_checkpoint = _at("checkpoints", "latest")  # names the tag of the newest complete checkpoint
     ledger = _at("trained.jsonl")
     policy_dir = _at("policy")
+    heldout = _at("eval", "heldout.json")  # the paired held-out comparison that ends `sao run`
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
@@ -67,3 +69,7 @@ class RunDir:
 
     def eval_result(self, version: int) -> Path:
         return self.root / "eval" / f"v{version:06d}.json"
+
+    def checkpoint_state(self, tag: str) -> Path:
+        """sao's state of checkpoint `tag` (step, offsets, Kafka cluster id), JSON; see sao/trainer/checkpoint.py."""
+        return self.checkpoints / tag / "sao_state.json"

@@ -4,8 +4,10 @@ import json
 import random
 from dataclasses import asdict
 
+import pytest
+
 from sao.config import SaoConfig
-from sao.report import PLOTS, build_summary, write_report
+from sao.report import HELDOUT_KEYS, PLOTS, build_summary, reward_by_version, write_report
 from sao.status import write_status
 from support.records import step_record
 
@@ -29,9 +31,12 @@ def _synthetic_run(run_dir) -> dict:
         write_status(run_dir / "status" / f"sampler-{i}.json",
                      {"produced": 12, "tokens": 300, "reloads": 3, "rollout_s": 24.0, "policy_version": 5})
     (run_dir / "config.toml").write_text("[trainer]\nmax_staleness = 8\n")
-    summary = {"trajectories_trained": steps * batch, "trainer_steps": steps, "reward_first_window": 0.123,
-               "reward_last_window": 0.789, "reward_window_size": 4, "compression_ratio": 2.5,
-               "staleness_mean": 1.0, "duration_s": 42.0, "model": "tiny", "tasks_fed": 24}
+    summary = {"heldout_base": 0.375, "heldout_final": 0.5625, "heldout_gain": 0.1875, "heldout_gain_stderr": 0.0625,
+               "heldout_n": 128, "trajectories_trained": steps * batch, "trainer_steps": steps,
+               "reward_first_version": 0.123, "reward_last_version": 0.789, "policy_version": steps,
+               "reward_by_version": [{"version": 0, "n": 4, "mean": 0.123, "stderr": 0.1},
+                                     {"version": 5, "n": 4, "mean": 0.789, "stderr": None}],
+               "compression_ratio": 2.5, "staleness_mean": 1.0, "duration_s": 42.0, "model": "tiny", "tasks_fed": 24}
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return summary
 
@@ -48,6 +53,10 @@ def test_report_writes_markdown_and_plots(tmp_path):
     # The summary's figures appear, as do the samplers and the dead letters.
     for figure in ("0.123", "0.789", "2.5", "42", "tiny", "trainer_steps"):
         assert figure in text
+    # What the run learned leads: held-out figures, and the gain in standard errors.
+    assert "from 0.375 (base model) to 0.5625 (final version): a paired gain of 0.1875 ± 0.0625" in text
+    assert ": +3.0 standard errors, beyond two" in text
+    assert "| 5 | 4 | 0.789 | - |" in text
     assert "| sampler-1 | 12 | 300 | 3 | 2 | 5 |" in text
     assert "| too-stale | 1 |" in text
     assert "busy 0.75" in text
@@ -67,3 +76,29 @@ def test_summary_means_leave_out_a_step_without_a_grad_norm(tmp_path):
     assert summary["grad_norm_mean"] == 1.0
     assert summary["trajectories_trained"] == 24 and summary["trainer_steps"] == 6
     assert summary["max_behaviour_version"] == 5
+
+
+def test_summary_leads_with_the_heldout_comparison(tmp_path):
+    _synthetic_run(tmp_path)
+    assert list(build_summary(SaoConfig(), tmp_path, duration_s=1.0))[:5] == list(HELDOUT_KEYS)
+    assert build_summary(SaoConfig(), tmp_path, duration_s=1.0)["heldout_n"] is None  # not evaluated: no figures
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "heldout.json").write_text(json.dumps(
+        {"heldout_base": 0.25, "heldout_final": 0.5, "heldout_gain": 0.25, "heldout_gain_stderr": 0.05,
+         "heldout_n": 100, "per_task": {}}))
+    summary = build_summary(SaoConfig(), tmp_path, duration_s=1.0)
+    assert list(summary.items())[:5] == [("heldout_base", 0.25), ("heldout_final", 0.5), ("heldout_gain", 0.25),
+                                         ("heldout_gain_stderr", 0.05), ("heldout_n", 100)]
+    assert "per_task" not in summary
+    text = write_report(tmp_path, summary).read_text()
+    assert "+5.0 standard errors" in text
+
+
+def test_sampled_reward_is_grouped_by_behaviour_version_not_by_completion_order():
+    # One batch in completion order: v2's quick successes first, then v1's slow failures.
+    steps = [step_record(rewards=[1.0, 1.0, 0.0, 0.0, 0.5], behaviour_versions=[2, 2, 1, 1, 2]),
+             step_record(rewards=[0.0, float("nan")], behaviour_versions=[1, 3])]
+    groups = reward_by_version(steps)
+    assert [(g["version"], g["n"]) for g in groups] == [(1, 3), (2, 3)]  # a NaN reward is left out
+    assert [g["mean"] for g in groups] == [0.0, pytest.approx(2.5 / 3)]
+    assert groups[0]["stderr"] == 0 and groups[1]["stderr"] == pytest.approx(1 / 6)  # sd(1, 1, .5) / sqrt(3)

@@ -16,8 +16,8 @@ def test_sao_run_trains_through_kafka(tmp_path):
                "--samplers", "2", "--run-dir", str(run_dir),
                "--set", "trainer.batch_size=4", "--set", "run.max_tasks_in_flight=4",
                "--set", "policy.max_new_tokens=8", "--set", "run.timeout_s=400",
-               # Half-size reward windows: together they cover every trained trajectory (checked below).
-               "--set", "run.reward_window=0.5",
+               # The end-of-run held-out comparison on a few tasks, its base-model cache in the test's folder.
+               "--set", "run.heldout_cap=3", "--set", f"run.heldout_cache_dir=\"{tmp_path / 'heldout-cache'}\"",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -47,17 +47,24 @@ def test_sao_run_trains_through_kafka(tmp_path):
     # Bytes of every step's full context vs sao's trajectory. Two-turn episodes are too short for
     # memory to pay for itself (one INT8 slot is 388 bytes), so no bound above 1 is claimed here.
     assert 0 < summary["compression_ratio"] < 100
-    # Rewards, against another source: the samplers add up the reward of what they produce. With
-    # nothing dropped, the two half windows hold exactly those trajectories.
-    assert summary["reward_window_size"] == tasks // 2
-    first, last = summary["reward_first_window"], summary["reward_last_window"]
-    assert 0 <= first <= 1 and 0 <= last <= 1 and summary["reward_gain"] == pytest.approx(last - first)
+    # What the run learned leads the summary: base model vs final version on the same held-out tasks.
+    assert list(summary)[:5] == ["heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n"]
+    assert summary["heldout_n"] == 3 and 0 <= summary["heldout_base"] <= 1 and 0 <= summary["heldout_final"] <= 1
+    assert summary["heldout_gain"] == pytest.approx(summary["heldout_final"] - summary["heldout_base"])
+    heldout = json.loads((run_dir / "eval" / "heldout.json").read_text())
+    assert heldout["final_version"] == summary["policy_version"] and len(heldout["per_task"]) == 3
+    assert all(task.startswith("eval/basic_arithmetic/") for task in heldout["per_task"])
+    assert list((tmp_path / "heldout-cache").glob("*.json"))  # the next run skips the base model
+    # Sampled rewards by behaviour version, against another source: the samplers add up the reward
+    # of what they produce; with nothing dropped, the versions' groups hold exactly those trajectories.
+    groups = summary["reward_by_version"]
+    assert sum(g["n"] for g in groups) == tasks and [g["version"] for g in groups] == sorted({g["version"] for g in groups})
+    assert (summary["reward_first_version"], summary["reward_last_version"]) == (groups[0]["mean"], groups[-1]["mean"])
     if summary["duplicates_dropped"] == summary["dead_lettered"] == 0:
         samplers = [json.loads(path.read_text()) for path in (run_dir / "status").glob("sampler-*.json")]
         assert len(samplers) == 2
         produced_reward = sum(s["reward_sum"] for s in samplers)
-        assert (first + last) * summary["reward_window_size"] == pytest.approx(produced_reward)
-    assert summary["reward_gain_stderr"] >= 0
+        assert sum(g["n"] * g["mean"] for g in groups) == pytest.approx(produced_reward)
     # A clean stop leaves a resumable checkpoint and the published weights.
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert list((run_dir / "policy").glob("policy-v*.safetensors"))
@@ -69,12 +76,14 @@ def test_grpo_baseline_runs_synchronously_on_whole_groups(tmp_path):
     command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", "6", "--samplers", "1",
                "--run-dir", str(run_dir), "--set", "trainer.algorithm=\"grpo\"", "--set", "trainer.group_size=2",
                "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=6", "--set", "run.timeout_s=300",
+               "--set", "run.heldout_eval=false",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trajectories_trained"] == 12 and summary["trainer_steps"] == 3
     assert summary["staleness_mean"] == 0  # synchronous: every batch sampled by the current policy
+    assert summary["heldout_n"] is None and not (run_dir / "eval").exists()  # run.heldout_eval = false
     for line in (run_dir / "trained.jsonl").read_text().splitlines():
         ids = json.loads(line)["trajectory_ids"]
         tasks = [tid.split("#")[0] for tid in ids]

@@ -2,10 +2,18 @@
 
 Any reasoning-gym dataset works by name (`env.dataset`); `env.answer_format` says what part of
 the reply is scored: its last number (numeric datasets) or its last line (words, lists).
+
+Held out means never trained on: a question belongs to the eval split when the sha256 of its text
+is 0 modulo `HELDOUT_BUCKETS`, whatever the seed or dataset index that produced it. The train
+split is the generator's stream under `env.seed` with held-out questions skipped; the eval split
+is the distinct held-out questions in the order a fixed scan (`EVAL_SEED`) first meets them, the
+same for every `env.seed`. A small domain is thus split once and for all: the default one (two
+1-digit terms, + and -) has 242 questions, 129 held out and 113 to train on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from functools import lru_cache
 from typing import Any
@@ -16,7 +24,14 @@ from sao.config import EnvConfig
 from sao.envs.base import Feedback, GenerationDefaults, check_split
 from sao.schema import Task
 
-EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: a seed no training run uses by default
+HELDOUT_BUCKETS = 2  # a question is held out when sha256(question) % this == 0: half of any domain
+EVAL_SEED = 1_000_003  # the scan that orders the eval split; fixed, so every env.seed is scored on the same tasks
+# An entry is read from a dataset built with size = the end of its block of indices, so what index
+# i holds never depends on how many tasks were asked for at once (some datasets draw by size).
+_BLOCK = 1024
+# Entries read without finding a new task of the split: the domain holds no more (a small domain's
+# eval split then repeats from its start, like humaneval's). Each read costs ~15 us.
+_GIVE_UP = 20_000
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -28,6 +43,63 @@ def _dataset(name: str, size: int, seed: int, options: tuple[tuple[str, Any], ..
 
 def _options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+
+
+def _block_size(index: int) -> int:
+    return (index // _BLOCK + 1) * _BLOCK
+
+
+def question_digest(question: str) -> str:
+    """The identity of a question: sha256 of its text, hex."""
+    return hashlib.sha256(question.encode()).hexdigest()
+
+
+def is_held_out(digest: str) -> bool:
+    """Whether the question with this digest belongs to the eval split (and never to training)."""
+    return int(digest, 16) % HELDOUT_BUCKETS == 0
+
+
+class _SplitStream:
+    """The tasks of one split of one generator, found by reading its entries in order, on demand.
+
+    Position p of the split is always the same dataset entry, so the feeder's waves and a resumed
+    run see the same tasks. The train split keeps every non-held-out entry (a question may recur,
+    as in the generator); the eval split keeps each held-out question once.
+    """
+
+    def __init__(self, name: str, seed: int, options: tuple[tuple[str, Any], ...], split: str):
+        self.name, self.seed, self.options = name, seed, options
+        self.held_out = split == "eval"
+        self.found: list[tuple[int, str]] = []  # (dataset index, question digest), in split order
+        self.seen: set[str] = set()
+        self.read = 0
+        self.exhausted = False
+
+    def __getitem__(self, position: int) -> tuple[int, str]:
+        while len(self.found) <= position and not self.exhausted:
+            self._find_next()
+        return self.found[position % len(self.found)]
+
+    def _find_next(self) -> None:
+        for _ in range(_GIVE_UP):
+            index, self.read = self.read, self.read + 1
+            question = _dataset(self.name, _block_size(index), self.seed, self.options)[index]["question"]
+            digest = question_digest(question)
+            if is_held_out(digest) == self.held_out and digest not in self.seen:
+                if self.held_out:
+                    self.seen.add(digest)
+                self.found.append((index, digest))
+                return
+        if not self.found:
+            kind = "held-out" if self.held_out else "training"
+            raise ValueError(f"env.dataset {self.name!r} with these env.dataset_options gave no {kind} question "
+                             f"in {_GIVE_UP} entries (half of all questions, by hash, are held out): widen the domain")
+        self.exhausted = True
+
+
+@lru_cache(maxsize=16)
+def _stream(name: str, seed: int, options: tuple[tuple[str, Any], ...], split: str) -> _SplitStream:
+    return _SplitStream(name, seed, options, split)
 
 
 def last_line(text: str) -> str | None:
@@ -56,18 +128,23 @@ class ArithmeticEnv:
 
     @classmethod
     def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]:
-        """`count` tasks, dataset indices [start_index, start_index + count) of the split.
+        """`count` tasks, positions [start_index, start_index + count) of the split (see the module doc).
 
-        The eval split is the same generator under another seed (`seed + EVAL_SEED_OFFSET`), so
-        its entries are drawn independently of training; tiny domains (1-digit sums) can still
-        repeat a question text across splits.
+        Train ids are `train/<dataset>/<seed>/<position>`; eval ids are `eval/<dataset>/<digest>`,
+        named by the question itself, so a small domain's repeats show as repeated ids.
         """
         check_split(cls.name, split)
-        seed = config.seed + (EVAL_SEED_OFFSET if split == "eval" else 0)
-        size = start_index + count
-        spec = {"dataset": config.dataset, "size": size, "seed": seed, "options": config.dataset_options}
-        return [Task(task_id=f"{split}/{config.dataset}/{seed}/{index}", env=cls.name, spec={**spec, "index": index})
-                for index in range(start_index, size)]
+        seed = EVAL_SEED if split == "eval" else config.seed
+        stream = _stream(config.dataset, seed, _options_key(config.dataset_options), split)
+        tasks = []
+        for position in range(start_index, start_index + count):
+            index, digest = stream[position]
+            task_id = (f"eval/{config.dataset}/{digest[:16]}" if split == "eval"
+                       else f"train/{config.dataset}/{seed}/{position}")
+            spec = {"dataset": config.dataset, "size": _block_size(index), "seed": seed,
+                    "options": config.dataset_options, "index": index, "split": split, "question_sha256": digest}
+            tasks.append(Task(task_id=task_id, env=cls.name, spec=spec))
+        return tasks
 
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5, answer_format: str = "last_number"):
         self.extract = {"last_number": last_number, "last_line": last_line}[answer_format]
@@ -81,7 +158,17 @@ class ArithmeticEnv:
         self._dataset = _dataset(spec["dataset"], spec["size"], spec["seed"], _options_key(spec["options"]))
         self._entry = self._dataset[spec["index"]]
         self._turn = 0
-        return self._entry["question"]
+        question = self._entry["question"]
+        # The feeder chose this entry by its question; a sampler whose reasoning-gym draws another
+        # question there (another version) could otherwise train on a held-out one.
+        digest = question_digest(question)
+        if spec.get("question_sha256", digest) != digest:
+            raise ValueError(f"entry {spec['index']} of {spec['dataset']!r} is not the question the task names "
+                             f"(sha256 {spec['question_sha256'][:16]}..., got {digest[:16]}...): "
+                             "are the feeder and this sampler on the same reasoning-gym version?")
+        if spec.get("split") == "train" and is_held_out(digest):
+            raise ValueError(f"a held-out question was sent as a training task: {question!r}")
+        return question
 
     def step(self, action: str) -> Feedback:
         if self._entry is None:

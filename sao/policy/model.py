@@ -140,7 +140,9 @@ class MemoryPolicy(nn.Module):
         embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)[rows, order]
         attention = batch.attention_mask[rows, order]
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.lm(inputs_embeds=embeds, attention_mask=attention, position_ids=positions, use_cache=True)
+        # Only the last position's logits are sampled from: skip the lm_head on the rest of the prompt.
+        out = self.lm(inputs_embeds=embeds, attention_mask=attention, position_ids=positions, use_cache=True,
+                      logits_to_keep=1)
         tokens: list[list[int]] = [[] for _ in steps]
         logprobs: list[list[float]] = [[] for _ in steps]
         active = torch.ones(len(steps), dtype=torch.bool)

@@ -1,24 +1,42 @@
-"""Policy weights on disk: safetensors files checked against their sha256, and the v0 policy."""
+"""Policy weights on disk: safetensors files checked before they are parsed, and the v0 policy.
+
+A file named by an announcement is untrusted input (docs/design.md, "Trust boundaries"). It
+must be the run's file for its version, directly inside the policy folder, a regular file of
+bounded size whose sha256 matches, holding exactly the model's tensors, all finite; each check runs before
+anything that would need it, so no check reads more than the previous one allowed.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from sao.config import PolicyConfig
 from sao.policy.loading import load_language_model
 from sao.policy.model import MemoryPolicy
+from sao.run_dir import RunDir
+
+_CHUNK_BYTES = 8 << 20
+# A published file holds fp32; any float dtype is accepted because loading casts to the policy's.
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
 
 class WeightsMismatch(RuntimeError):
-    """A weights file does not match its announced sha256 (partial write, wrong file, tampering)."""
+    """A weights file that must not be loaded: outside the policy folder, not a regular file, too big,
+    or not what was announced (partial write, wrong file, tampering). `reason` is a short code."""
+
+    def __init__(self, message: str, reason: str = "mismatch"):
+        super().__init__(message)
+        self.reason = reason
 
 
-def sha256_file(path: Path | str, chunk_bytes: int = 8 << 20) -> str:
+def sha256_file(path: Path | str, chunk_bytes: int = _CHUNK_BYTES) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(chunk_bytes):
@@ -52,16 +70,130 @@ def write_weights(state: dict[str, torch.Tensor], path: Path) -> str:
     return digest
 
 
-def read_weights_into(policy: MemoryPolicy, path: Path | str, sha256: str) -> None:
-    """Load a published version into `policy` after checking its hash; tied weights re-tie."""
-    actual = sha256_file(path)
-    if actual != sha256:
-        raise WeightsMismatch(f"{path}: sha256 {actual} does not match the announced {sha256}")
-    state = load_file(str(path))
-    missing, unexpected = policy.load_state_dict(state, strict=False)
-    tied = {name for name in missing if _is_tied_alias(policy, name)}
-    if set(missing) - tied or unexpected:
-        raise WeightsMismatch(f"{path}: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+def announced_weights_path(weights_path: str, version: int, policy_dir: Path | str) -> Path:
+    """The file an announcement of `version` may name: the run's file for it, directly in `policy_dir`.
+
+    Both sides are resolved (symlinks, `..`) before they are compared, so a link from inside the
+    folder to elsewhere is refused too; nothing here opens a file. Binding the name to the version
+    stops an announcement from relabelling an older file as a much newer version.
+    """
+    try:
+        folder = Path(os.path.realpath(policy_dir))
+        resolved = Path(os.path.realpath(Path(policy_dir) / weights_path))  # an absolute path replaces policy_dir
+    except (OSError, ValueError) as err:  # a NUL byte, a name too long
+        raise WeightsMismatch(f"{weights_path!r} is not a usable path ({err})", "outside-folder") from err
+    if resolved.parent != folder:
+        raise WeightsMismatch(f"{weights_path!r} resolves outside the policy folder {folder}", "outside-folder")
+    expected = RunDir(folder.parent).weights(version).name
+    if resolved.name != expected:
+        raise WeightsMismatch(f"{weights_path!r} is not the file of policy v{version} ({expected})", "wrong-name")
+    return resolved
+
+
+def read_weights_into(policy: MemoryPolicy, path: Path | str, sha256: str, *, num_bytes: int | None = None,
+                      max_bytes: int | None = None) -> None:
+    """Load a published version into `policy` after the checks above; tied weights re-tie.
+
+    `num_bytes` is the announced size and `max_bytes` the most to read (None: not known or not
+    bounded, as for `sao eval`, which reads its own run's files through their sidecars).
+    Raises WeightsMismatch, or OSError when the file cannot be read (FileNotFoundError once pruned).
+    """
+    limit = max_bytes if max_bytes is not None else float("inf")
+    if num_bytes is not None and num_bytes > limit:
+        raise WeightsMismatch(f"{path}: announced size {num_bytes} bytes is over sampler.max_weights_bytes = "
+                              f"{max_bytes}", "too-large")
+    if num_bytes is not None and num_bytes <= 0:
+        raise WeightsMismatch(f"{path}: announced size {num_bytes} bytes", "size")
+    fd = _open_regular_file(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise WeightsMismatch(f"{path}: {size} bytes is over sampler.max_weights_bytes = {max_bytes}", "too-large")
+        if num_bytes is not None and size != num_bytes:
+            raise WeightsMismatch(f"{path}: {size} bytes, but {num_bytes} were announced", "size")
+        actual = _sha256_of_open_file(fd, size, path)
+        if actual != sha256:
+            raise WeightsMismatch(f"{path}: sha256 {actual} does not match the announced {sha256}", "sha256")
+        state = _checked_tensors(policy, _reopenable_name(fd, path), path)
+    finally:
+        os.close(fd)
+    policy.load_state_dict(state, strict=False)  # names and shapes were checked; only the tied alias may be absent
+
+
+def _open_regular_file(path: Path | str) -> int:
+    """A read-only descriptor of `path` if it is a regular file, never following a final symlink.
+
+    lstat comes first because opening a FIFO blocks and a device can be read forever; O_NONBLOCK
+    and the fstat after opening cover a swap between the two calls.
+    """
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise WeightsMismatch(f"{path}: not a regular file ({_kind(mode)})", "not-a-file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise WeightsMismatch(f"{path}: replaced by something other than a regular file", "not-a-file")
+    return fd
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")
+
+
+def _sha256_of_open_file(fd: int, size: int, path: Path | str) -> str:
+    """Hash exactly `size` bytes; a file that shrinks or grows meanwhile is refused (a partial write)."""
+    digest = hashlib.sha256()
+    remaining = size
+    while remaining > 0:
+        chunk = os.read(fd, min(_CHUNK_BYTES, remaining))
+        if not chunk:
+            raise WeightsMismatch(f"{path}: shrank while being read", "size")
+        digest.update(chunk)
+        remaining -= len(chunk)
+    if os.read(fd, 1):
+        raise WeightsMismatch(f"{path}: grew while being read", "size")
+    return digest.hexdigest()
+
+
+def _reopenable_name(fd: int, path: Path | str) -> str:
+    """A name for the very file behind `fd` (Linux), so the bytes parsed are the bytes hashed even if
+    the path was swapped since; elsewhere the path itself."""
+    by_descriptor = f"/proc/self/fd/{fd}"
+    return by_descriptor if os.path.exists(by_descriptor) else str(path)
+
+
+def _checked_tensors(policy: MemoryPolicy, source: str, path: Path | str) -> dict[str, torch.Tensor]:
+    """The file's tensors, read only after its header names exactly the model's, with its shapes and float dtypes."""
+    model = policy.state_dict()
+    optional = {name for name in model if _is_tied_alias(policy, name)}
+    try:
+        with safe_open(source, framework="pt") as handle:
+            names = set(handle.keys())
+            problems = [f"missing {name}" for name in sorted(set(model) - optional - names)]
+            problems += [f"unexpected {name}" for name in sorted(names - set(model))]
+            for name in sorted(names & set(model)):
+                piece = model[name]
+                header = handle.get_slice(name)
+                shape, dtype = tuple(header.get_shape()), header.get_dtype()
+                if shape != tuple(piece.shape):
+                    problems.append(f"{name} has shape {list(shape)}, the model {list(piece.shape)}")
+                if (dtype in _FLOAT_DTYPES) != piece.is_floating_point():
+                    problems.append(f"{name} has dtype {dtype}, the model {piece.dtype}")
+            if problems:
+                shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+                raise WeightsMismatch(f"{path}: tensors do not fit the model: {shown}", "tensors")
+            tensors = {name: handle.get_tensor(name) for name in names}
+    except SafetensorError as err:
+        raise WeightsMismatch(f"{path}: not a safetensors file ({err})", "format") from err
+    # The trainer never publishes a step whose gradient was not finite, so NaN or inf here is a
+    # corrupt or forged file; loaded, it would make every later rollout NaN.
+    not_finite = sorted(name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all()))
+    if not_finite:
+        raise WeightsMismatch(f"{path}: {', '.join(not_finite[:4])} hold(s) NaN or infinity", "non-finite")
+    return tensors
 
 
 def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:

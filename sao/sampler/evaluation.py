@@ -1,13 +1,18 @@
-"""`sao eval`: score one published policy version on held-out tasks.
+"""Held-out evaluation: greedy, batched scores of policy versions on the env's eval split.
 
-The trainer keeps the last `trainer.keep_versions` versions on disk (shadow models) with a JSON
-sidecar holding their sha256; any of them, or version 0 (the base model), can be scored here.
-Actions are greedy by default so that two versions are compared without sampling noise.
+`sao eval` scores one version (optionally against a baseline); `sao run` ends by comparing the
+base model (version 0) with its final version on the same tasks. The trainer keeps the last
+`trainer.keep_versions` versions on disk with a JSON sidecar holding their sha256; any of them,
+or version 0, can be scored. Actions are greedy by default, so two versions differ only by their
+weights; each distinct held-out task is scored once (up to a cap), and the comparison is paired:
+per task, first-try success of the final version minus that of the base.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -16,10 +21,17 @@ import torch
 from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
+from sao.envs.guard import EnvFailure
 from sao.envs.registry import make_tasks
 from sao.policy.weights import build_policy, place_for_sampling, read_weights_into
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
+from sao.schema import Task
+from sao.stats import mean, paired_gain, stderr
+
+log = logging.getLogger(__name__)
+
+TaskScores = dict[str, dict[str, float]]  # task id -> {"first_try": 0 or 1, "reward": total reward}
 
 
 def weights_of(run_dir: Path, version: int) -> tuple[Path, str]:
@@ -32,24 +44,158 @@ def weights_of(run_dir: Path, version: int) -> tuple[Path, str]:
     return run_dir.weights(version), json.loads(sidecar.read_text())["sha256"]
 
 
+def heldout_tasks(config: SaoConfig, cap: int) -> list[Task]:
+    """The first `cap` tasks of the eval split, each distinct task once.
+
+    A small split repeats itself (arithmetic's default domain after 129 tasks, humaneval's after
+    33); a task is what its spec asks, whatever its id.
+    """
+    distinct: dict[str, Task] = {}
+    for task in make_tasks(config.env, cap, split="eval"):
+        distinct.setdefault(json.dumps(task.spec, sort_keys=True, default=str), task)
+    return list(distinct.values())
+
+
+class Scorer:
+    """One policy, encoder and filter, loaded once; `score` runs a version on tasks in batches."""
+
+    def __init__(self, config: SaoConfig, run_dir: Path, threads: int | None = None, slots: int | None = None):
+        torch.set_num_threads(threads or config.sampler.torch_threads)
+        self.config, self.run_dir = config, Path(run_dir)
+        self.slots = slots or config.run.heldout_batch
+        self.encoder = load_encoder(config.compression.encoder)
+        self.policy = place_for_sampling(build_policy(config.policy, self.encoder.dim), config.sampler.device)
+        self.loaded_version = 0  # build_policy gives the base model
+        temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
+        self.roller = Roller(config, self.policy, self.encoder, temporal_filter, sampler_id="eval", seed=0)
+
+    @property
+    def device(self) -> str:
+        parameter = next(self.policy.parameters())
+        return f"{parameter.device.type}/{parameter.dtype}"
+
+    def load(self, version: int) -> None:
+        if version == self.loaded_version:
+            return
+        if version == 0:
+            raise ValueError("the base model (v0) must be scored before any other version is loaded")
+        read_weights_into(self.policy, *weights_of(self.run_dir, version))
+        self.loaded_version = version
+
+    def score(self, version: int, tasks: list[Task], greedy: bool = True) -> tuple[TaskScores, dict[str, str]]:
+        """Per task: first-try success (the first step's reward >= 1) and total reward; and the
+        tasks whose env failed, with the failure."""
+        self.load(version)
+        scores: TaskScores = {}
+        failures: dict[str, str] = {}
+        for task, outcome in zip(tasks, self.roller.rollout_batch(tasks, version, greedy, slots=self.slots)):
+            if isinstance(outcome, EnvFailure):
+                failures[task.task_id] = str(outcome)
+            else:
+                scores[task.task_id] = {"first_try": float(outcome.steps[0].reward >= 1.0),
+                                        "reward": outcome.total_reward}
+        if failures:
+            log.warning("v%d: the env failed on %d of %d held-out tasks (left out), e.g. %s", version, len(failures),
+                        len(tasks), next(iter(failures.values())))
+        return scores, failures
+
+
+def _figures(scores: TaskScores) -> dict:
+    first_try = [s["first_try"] for s in scores.values()]
+    return {"n": len(scores), "first_try_success": mean(first_try), "first_try_stderr": stderr(first_try),
+            "reward_mean": mean([s["reward"] for s in scores.values()])}
+
+
 def evaluate(config: SaoConfig, run_dir: Path, version: int, num_tasks: int, greedy: bool = True) -> dict:
-    torch.set_num_threads(config.sampler.torch_threads)
-    encoder = load_encoder(config.compression.encoder)
-    policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
-    if version > 0:
-        read_weights_into(policy, *weights_of(run_dir, version))
-    temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
-    roller = Roller(config, policy, encoder, temporal_filter, sampler_id=f"eval-v{version}", seed=0)
+    """Score one version on up to `num_tasks` distinct held-out tasks; writes RUN_DIR/eval/vN.json."""
     started = time.perf_counter()
-    rewards, first_try = [], []
-    for task in make_tasks(config.env, num_tasks, split="eval"):
-        trajectory = roller.rollout(task, version, greedy=greedy)
-        rewards.append(trajectory.total_reward)
-        first_try.append(float(trajectory.steps[0].reward >= 1.0))
-    result = {"version": version, "tasks": num_tasks, "greedy": greedy, "split": "eval",
-              "reward_mean": sum(rewards) / len(rewards), "first_try_success": sum(first_try) / len(first_try),
-              "seconds": time.perf_counter() - started}
+    tasks = heldout_tasks(config, num_tasks)
+    scores, failures = Scorer(config, run_dir).score(version, tasks, greedy)
+    result = {"version": version, "tasks": len(tasks), "greedy": greedy, "split": "eval", **_figures(scores),
+              "env_failures": len(failures), "seconds": time.perf_counter() - started, "per_task": scores}
     out = RunDir(run_dir).eval_result(version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+# --- the paired comparison -----------------------------------------------------------------------
+
+def _cache_path(config: SaoConfig, tasks: list[Task], device: str) -> Path | None:
+    """Where the base model's scores on these tasks under these settings are kept (None: no cache).
+
+    The key holds everything a greedy episode of the base model depends on: model, generation and
+    projector settings, compression, the env's settings and the tasks themselves (their specs name
+    what was asked, so env.seed only counts where the eval split depends on it).
+    """
+    if not config.run.heldout_cache_dir:
+        return None
+    material = {"policy": config.policy.model_dump(exclude={"cache_dir"}), "compression": config.compression.model_dump(),
+                "env": config.env.model_dump(exclude={"seed"}), "device": device,
+                "tasks": [[task.task_id, task.spec] for task in tasks]}
+    key = hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return Path(config.run.heldout_cache_dir).expanduser() / f"{key}.json"
+
+
+def _cached_base(path: Path | None, tasks: list[Task]) -> TaskScores | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        scores = json.loads(path.read_text())["scores"]
+        if all(isinstance(scores[t.task_id][k], (int, float)) for t in tasks for k in ("first_try", "reward")):
+            return {t.task_id: scores[t.task_id] for t in tasks}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("held-out cache %s is unreadable (%s); scoring the base model again", path, err)
+        return None
+    log.warning("held-out cache %s lacks some tasks; scoring the base model again", path)
+    return None
+
+
+def _store_base(path: Path | None, scores: TaskScores) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps({"scores": scores}))
+    partial.replace(path)  # a reader never sees half a file
+
+
+def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, cap: int | None = None,
+            threads: int | None = None) -> dict:
+    """Score `baseline` and `version` greedily on the same held-out tasks; the paired first-try gain.
+
+    The base model's scores (baseline 0) come from the cache when it holds them. Tasks on which
+    the env failed in either version are left out of the pairing. Writes RUN_DIR/eval/heldout.json.
+    """
+    started = time.perf_counter()
+    for needed in {baseline, version} - {0}:
+        weights_of(run_dir, needed)  # a pruned version fails now, not after scoring the other one
+    tasks = heldout_tasks(config, cap or config.run.heldout_cap)
+    scorer = Scorer(config, run_dir, threads=threads)
+    cache = _cache_path(config, tasks, scorer.device) if baseline == 0 else None
+    base = _cached_base(cache, tasks)
+    base_cached = base is not None
+    if base is None:
+        base, base_failures = scorer.score(baseline, tasks)
+        if not base_failures:
+            _store_base(cache, base)
+    base_s = time.perf_counter() - started
+    final, _ = scorer.score(version, tasks)
+    paired = [task.task_id for task in tasks if task.task_id in base and task.task_id in final]
+    gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [final[t]["first_try"] for t in paired])
+    reward_gain, reward_stderr = paired_gain([base[t]["reward"] for t in paired], [final[t]["reward"] for t in paired])
+    result = {
+        "heldout_base": mean([base[t]["first_try"] for t in paired]),
+        "heldout_final": mean([final[t]["first_try"] for t in paired]),
+        "heldout_gain": gain, "heldout_gain_stderr": gain_stderr, "heldout_n": len(paired),
+        "heldout_reward_base": mean([base[t]["reward"] for t in paired]),
+        "heldout_reward_final": mean([final[t]["reward"] for t in paired]),
+        "heldout_reward_gain": reward_gain, "heldout_reward_gain_stderr": reward_stderr,
+        "base_version": baseline, "final_version": version, "tasks": len(tasks), "base_cached": base_cached,
+        "base_seconds": base_s, "final_seconds": time.perf_counter() - started - base_s,
+        "per_task": {t: {"base": base[t], "final": final[t]} for t in paired},
+    }
+    out = RunDir(run_dir).heldout
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result

@@ -22,15 +22,22 @@ from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
-from sao.metrics import record_delivery, record_policy_reload, record_rollout
-from sao.policy.weights import WeightsMismatch, build_policy, place_for_sampling, read_weights_into
+from sao.metrics import record_announcement_refused, record_delivery, record_policy_reload, record_rollout
+from sao.policy.weights import (
+    WeightsMismatch,
+    announced_weights_path,
+    build_policy,
+    place_for_sampling,
+    read_weights_into,
+)
 from sao.sampler.offsets import OffsetTracker
 from sao.sampler.rollout import LiveEpisode, Roller
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import write_status
 from sao.transport.announcements import PolicyFollower
 from sao.transport.dlq import DeadLetterQueue
-from sao.transport.kafka import deliver_and_wait, make_consumer, make_producer
+from sao.transport.health import BrokerGone, BrokerWatch
+from sao.transport.kafka import RenewingProducer, deliver_and_wait, make_consumer
 from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
@@ -50,16 +57,18 @@ class Sampler:
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
         self.roller = Roller(config, self.policy, encoder, temporal_filter, sampler_id, seed)
         self.policy_version = 0
-        self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "reward_sum": 0.0, "tokens": 0,
-                         "rollout_s": 0.0, "reload_s": 0.0}
-        self.policy_follower = PolicyFollower(bootstrap, config.topics.policy)
-        self.producer = make_producer(bootstrap)
+        self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
+                         "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0}
+        self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump)
+        # Announced weights are read only from here (None: every announcement is refused, said once).
+        self.policy_dir = Path(config.sampler.policy_dir) if config.sampler.policy_dir else None
+        self.broker_watch = BrokerWatch(bootstrap, sampler_id, config.broker.loss_timeout_s)
+        self.producer = RenewingProducer(bootstrap, self.broker_watch)
         self.dlq = DeadLetterQueue(self.producer, config.topics.dlq)
         self.tasks = make_consumer(bootstrap, config.topics.sampler_group, [config.topics.tasks])
         self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.offsets = OffsetTracker()
         self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live
-        self.newest_announced = 0  # loaded, pending or refused: a refused file is not read again
         self.stopping = False
 
     def run(self, max_tasks: int | None = None) -> dict:
@@ -75,6 +84,7 @@ class Sampler:
         live: list[tuple[LiveEpisode, object]] = []  # (episode, its task message)
         try:
             while live or (not self.stopping and (max_tasks is None or admitted < max_tasks)):
+                self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the loop
                 self._follow_policy(reload_now=not live)
                 free = self.config.sampler.rollout_batch - len(live)
                 if max_tasks is not None:
@@ -94,12 +104,21 @@ class Sampler:
                     live = [entry for entry, outcome in zip(live, outcomes) if outcome is None]
                 self._commit()
                 self._write_status()
+        except BrokerGone as gone:
+            gone.in_flight = self._in_flight(live)
+            raise
         finally:
             self._write_status(finished=True)
             self.tasks.close()
             self.policy_follower.close()
             self.producer.flush(10)
+            self.broker_watch.close()
         return self.counters
+
+    def _in_flight(self, live: list[tuple[LiveEpisode, object]]) -> str:
+        """What this sampler held: episodes whose task offsets are uncommitted, messages not acknowledged."""
+        return (f"{len(live)} live episode(s), tasks {[episode.task.task_id for episode, _ in live]} (their offsets "
+                f"are not committed); unacknowledged messages (topic, key): {self.producer.unacknowledged()}")
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
@@ -155,7 +174,7 @@ class Sampler:
     def _commit(self) -> None:
         """Commit every partition up to its oldest unfinished task (trajectories acked, dead letters flushed)."""
         offsets = self.offsets.committable()
-        if not offsets:
+        if not offsets or not self.broker_watch.is_up:  # while the broker is away they wait for it
             return
         self.dlq.flush(10)
         try:
@@ -172,26 +191,56 @@ class Sampler:
         self.counters["dead_lettered"] += 1
 
     def _follow_policy(self, reload_now: bool) -> None:
-        """Note the newest announced version; load it once no episode is live (`reload_now`)."""
+        """Note the newest version on offer; load it once no episode is live (`reload_now`).
+
+        Its path is checked on arrival (a refused one never pauses admission), its file at load.
+        A refused version is logged once and never read again; the follower offers the newest
+        one below it instead, and meanwhile the sampler goes on with its current policy.
+        """
         announcement = self.policy_follower.poll()
-        if announcement is not None and announcement.policy_version > self.newest_announced:
-            self.newest_announced, self.pending = announcement.policy_version, announcement
+        if (announcement is not None and announcement.policy_version > self.policy_version
+                and announcement is not self.pending):
+            try:
+                self._weights_path(announcement)
+                self.pending = announcement
+            except WeightsMismatch as err:
+                self._refuse(announcement, err)
         if self.pending is None or not reload_now:
             return
         announcement, self.pending = self.pending, None
         started = time.perf_counter()
         try:
-            read_weights_into(self.policy, announcement.weights_path, announcement.sha256)
-        except (FileNotFoundError, WeightsMismatch) as err:
-            # A lagging sampler may find a pruned file; the next announcement brings a newer one.
-            log.warning("%s could not load policy v%d: %s", self.sampler_id, announcement.policy_version, err)
+            read_weights_into(self.policy, self._weights_path(announcement), announcement.sha256,
+                              num_bytes=announcement.num_bytes, max_bytes=self.config.sampler.max_weights_bytes)
+        except (OSError, WeightsMismatch) as err:
+            self._refuse(announcement, err)
             return
+        self.policy_follower.loaded(announcement.policy_version)
         reload_s = time.perf_counter() - started
         self.policy_version = announcement.policy_version
         self.counters["reloads"] += 1
         self.counters["reload_s"] += reload_s
         record_policy_reload(self.policy_version, reload_s)
         log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.policy_version, reload_s)
+
+    def _weights_path(self, announcement: PolicyAnnouncement) -> Path:
+        if self.policy_dir is None:
+            raise WeightsMismatch("no policy folder is configured (sampler.policy_dir, or `sao sampler --run-dir`), "
+                                  "so no announced file can be trusted", "no-policy-dir")
+        return announced_weights_path(announcement.weights_path, announcement.policy_version, self.policy_dir)
+
+    def _refuse(self, announcement: PolicyAnnouncement, err: OSError | WeightsMismatch) -> None:
+        """Skip a version for good: pruned before this (lagging) sampler got to it, unreadable, or unsafe."""
+        self.policy_follower.refused(announcement.policy_version)
+        reason = getattr(err, "reason", "missing" if isinstance(err, FileNotFoundError) else "unreadable")
+        record_announcement_refused(reason)
+        if reason == "no-policy-dir" and self.counters["refused"]:  # every version is refused: said once is enough
+            log.debug("%s refused policy v%d: %s", self.sampler_id, announcement.policy_version, err)
+        else:
+            log.warning("%s refused policy v%d (%s): %s; it goes on with policy v%d%s", self.sampler_id,
+                        announcement.policy_version, reason, err, self.policy_version,
+                        ", and will refuse every later version too" if reason == "no-policy-dir" else "")
+        self.counters["refused"] += 1
 
     def _write_status(self, finished: bool = False) -> None:
         if self.status_path is not None:

@@ -1,7 +1,8 @@
 """Turn a batch of trajectories into one rank's loss: advantages, rows, importance correction.
 
 Every rank receives the same batch (rank 0 consumed it and broadcast the raw bytes), computes
-the same advantages and baseline updates, and scores only its own share of trajectories. The
+the same advantages, and scores only its own share of trajectories; the baselines learn the
+batch's rewards only once its step was applied (`record_rewards`). The
 loss normaliser makes DeepSpeed's average over ranks and gradient-accumulation micro-batches
 equal the full-batch loss: 1 rank and 2 ranks follow the same curve.
 """
@@ -29,7 +30,7 @@ class BatchPlan:
 
 def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int,
                group_size: int = 1) -> BatchPlan:
-    """Advantages for the whole batch, then update the baselines with its rewards.
+    """Advantages for the whole batch against the baselines as they stand (`record_rewards` updates them).
 
     SAO: reward minus the task's running-mean baseline (never a group mean, which is zero at
     group size 1). GRPO (group_size > 1): reward minus the mean of its group of attempts.
@@ -44,9 +45,16 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
         advantages = rewards - torch.tensor([baseline.value(t.task_id, t.env) for t in batch])
     if cfg.whiten_advantages:
         advantages = whiten(advantages)
-    for trajectory in batch:
-        baseline.update(trajectory.task_id, trajectory.env, trajectory.total_reward)
     return BatchPlan(batch, advantages.tolist(), [policy_version - t.behaviour_version for t in batch])
+
+
+def record_rewards(plan: BatchPlan, baseline: RewardBaseline) -> None:
+    """After a step was applied: the running baselines learn the rewards of what it trained on.
+
+    Never before: a step skipped for a non-finite loss must not leave its rewards behind.
+    """
+    for trajectory in plan.trajectories:
+        baseline.update(trajectory.task_id, trajectory.env, trajectory.total_reward)
 
 
 def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cfg: TrainerConfig,

@@ -103,6 +103,10 @@ class ReplayBuffer:
                     break
         return chosen
 
+    def discard(self, entry: BufferEntry) -> None:
+        """Forget an entry for good (it was dead-lettered), even if it had uses left."""
+        self.shards.get(entry.partition, {}).pop(entry.offset, None)
+
     def low_water_marks(self) -> dict[int, int]:
         """Per partition, the lowest offset still held (not yet fully trained)."""
         return {p: min(shard) for p, shard in self.shards.items() if shard}

@@ -1,19 +1,35 @@
-"""Checkpoints: the DeepSpeed checkpoint plus sao's state (Kafka offsets, baselines, version).
+"""Checkpoints: the DeepSpeed checkpoint plus sao's state (Kafka offsets, baselines, version), trusted only as written.
 
-sao's own state is JSON next to DeepSpeed's files (never pickled). The DeepSpeed `latest`
-marker is written last, so a crash mid-save leaves the previous checkpoint as the latest one.
+sao's own state is JSON next to DeepSpeed's files (never pickled). DeepSpeed's files are pickles,
+loaded with `torch.load(weights_only=False)`: loading one runs whatever code it names. So sao
+loads only a checkpoint it wrote itself, unchanged: after DeepSpeed has saved a tag, rank 0
+records the sha256 of every file in it in `sao_state.json`, then writes `latest` (last, so a
+crash mid-save leaves the previous checkpoint as the latest one). Before DeepSpeed reads
+anything, every file of the tag `latest` names is checked against that record; an extra,
+missing or changed file refuses the resume. Whoever can rewrite `sao_state.json` itself is
+beyond this check: the checkpoint folder must be writable by the trainer alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
+import torch.distributed as dist
+
+from sao.policy.weights import sha256_file
 
 _STATE_FILE = "sao_state.json"
+_LATEST_FILE = "latest"
+_TAG = re.compile(r"step-\d{8}")  # the only tags sao writes
+
+
+class UntrustedCheckpoint(RuntimeError):
+    """A checkpoint's files are not exactly those sao recorded when writing it: it is not loaded."""
 
 
 @dataclass
@@ -24,12 +40,16 @@ class TrainerState:
     baseline: dict = field(default_factory=dict)
     seen_trajectory_ids: list[str] = field(default_factory=list)  # trained or dead-lettered, never again
     handled: int = 0  # trajectories trained or dead-lettered up to this checkpoint
+    refused_offsets: dict[int, list[int]] = field(default_factory=dict)  # dead-lettered at or above `offsets`
     rng: dict = field(default_factory=dict)  # torch and replay-sampling RNG states, as plain lists
+    broker_cluster_id: str | None = None  # the Kafka cluster `offsets` point into (sao/transport/health.py)
 
     @classmethod
     def from_json(cls, data: dict) -> TrainerState:
-        data = dict(data)
+        data = {k: v for k, v in data.items() if k != "files"}
         data["offsets"] = {int(p): int(o) for p, o in data.get("offsets", {}).items()}
+        data["refused_offsets"] = {int(p): [int(o) for o in positions]
+                                   for p, positions in data.get("refused_offsets", {}).items()}
         return cls(**data)
 
 
@@ -37,22 +57,100 @@ def save_checkpoint(engine, directory: Path, state: TrainerState) -> Path:
     """Collective: all ranks call it. Returns the tag directory."""
     tag = f"step-{state.step:08d}"
     tag_dir = directory / tag
-    if torch.distributed.get_rank() == 0:
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        tmp = tag_dir / f".{_STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(state)))
-        os.replace(tmp, tag_dir / _STATE_FILE)
-    # DeepSpeed writes `latest` after its files: only then does this checkpoint count.
-    engine.save_checkpoint(str(directory), tag=tag)
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    if leader and tag_dir.exists():
+        # Left by a life that crashed mid-save (`latest` never named it): nothing in it is vouched for.
+        if _read_latest(directory) == tag:
+            raise RuntimeError(f"{tag_dir} is the latest checkpoint; refusing to overwrite it")
+        shutil.rmtree(tag_dir)
+    _barrier()
+    engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
+    _barrier()  # every rank's shards are on disk before rank 0 hashes them
+    if leader:
+        files = {name: sha256_file(path) for name, path in _files_of(tag_dir).items()}
+        _write_atomically(tag_dir / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
+        _write_atomically(directory / _LATEST_FILE, tag)  # only now does this checkpoint count
+    _barrier()
     return tag_dir
 
 
 def load_checkpoint(engine, directory: Path) -> TrainerState | None:
-    """Restore the newest complete checkpoint in `directory`; None if there is none."""
-    if not (directory / "latest").is_file():
+    """Restore the newest checkpoint in `directory` once its files are verified; None if there is none.
+
+    Raises UntrustedCheckpoint, before anything is unpickled, when the files differ from the record.
+    """
+    if not (directory / _LATEST_FILE).is_file():
         return None
-    load_path, _ = engine.load_checkpoint(str(directory), load_optimizer_states=True, load_lr_scheduler_states=True)
+    tag, recorded_state = verify_checkpoint(directory)
+    load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
     if load_path is None:
         return None
-    tag = (directory / "latest").read_text().strip()
-    return TrainerState.from_json(json.loads((directory / tag / _STATE_FILE).read_text()))
+    return TrainerState.from_json(recorded_state)
+
+
+def verify_checkpoint(directory: Path) -> tuple[str, dict]:
+    """The tag `latest` names and its recorded state, if every file of it is as sao wrote it."""
+    latest = directory / _LATEST_FILE
+    tag = _read_latest(directory)
+    if latest.is_symlink() or tag is None or not _TAG.fullmatch(tag):
+        raise UntrustedCheckpoint(_refusal(directory, f"{latest} names {tag!r}, not a checkpoint sao writes "
+                                                      "(step-NNNNNNNN)"))
+    tag_dir = directory / tag
+    state_path = tag_dir / _STATE_FILE
+    try:
+        if tag_dir.is_symlink() or state_path.is_symlink():
+            raise ValueError("a symbolic link")
+        recorded = json.loads(state_path.read_text())
+        files = recorded["files"]
+        if not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
+            raise ValueError("no file hashes")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UntrustedCheckpoint(_refusal(directory, f"{state_path} holds no record of the files sao wrote ({err})")
+                                  ) from err
+    present = _files_of(tag_dir)
+    for name in sorted(present.keys() | files.keys()):
+        path = tag_dir / name
+        if name not in files:
+            problem = f"{path} was not written by sao"
+        elif name not in present:
+            problem = f"{path} is missing"
+        elif path.is_symlink() or not path.is_file():
+            problem = f"{path} is not a regular file"
+        elif sha256_file(path) != files[name]:
+            problem = f"{path} changed since sao wrote it (sha256 differs)"
+        else:
+            continue
+        raise UntrustedCheckpoint(_refusal(directory, problem))
+    return tag, recorded
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _refusal(directory: Path, problem: str) -> str:
+    return (f"refusing to resume from {directory}: {problem}. DeepSpeed checkpoints are pickles and loading one "
+            "runs code, so sao loads only files it wrote itself, unchanged. Do not resume from this folder: start a "
+            "fresh run directory, or restore the checkpoints from a copy you trust.")
+
+
+def _read_latest(directory: Path) -> str | None:
+    try:
+        return (directory / _LATEST_FILE).read_text(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def _files_of(tag_dir: Path) -> dict[str, Path]:
+    """Every entry under the tag directory but sao's state file, by relative path (links included)."""
+    return {path.relative_to(tag_dir).as_posix(): path for path in tag_dir.rglob("*")
+            if not path.is_dir() or path.is_symlink()
+            if path.relative_to(tag_dir).as_posix() != _STATE_FILE}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

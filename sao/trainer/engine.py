@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 engine: distributed setup, the config sao derives, weight gathering.
+"""DeepSpeed ZeRO-3 engine: distributed setup, the config sao derives, weight gathering, recovery from a failed pass.
 
 On CPU: gloo, fp32, and no JIT-compiled ops (the shm comm op and DeepSpeed's own Adam each
 cost ~100 s of compilation on a fresh machine, so torch's AdamW is passed in). On GPU: NCCL and
@@ -125,3 +125,17 @@ def memory_per_rank(engine) -> dict[str, int]:
     state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
     masters = sum(t.numel() * t.element_size() for t in getattr(zero_optimizer, "fp32_partitioned_groups_flat", []))
     return {"param_bytes": int(params), "optimizer_state_bytes": int(state), "master_weight_bytes": int(masters)}
+
+
+def reset_after_failed_pass(engine) -> None:
+    """Put the engine back in order after a forward or backward raised half-way (one rank only).
+
+    ZeRO-3 leaves the parameters gathered and marked in use by the module that raised, and the
+    next pass would refuse to run; this releases them all and drops any partial gradients.
+    With several ranks nothing can be recovered: the others wait in a collective.
+    """
+    engine.empty_partition_cache()
+    coordinator = getattr(getattr(engine.optimizer, "parameter_offload", None), "get_param_coordinator", None)
+    if coordinator is not None:
+        coordinator().reset_step()  # the recorded order of module fetches ended mid-way
+    engine.optimizer.zero_grad()

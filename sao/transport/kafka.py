@@ -1,4 +1,5 @@
-"""Kafka producer and consumer factories with sao's settings, plus two blocking helpers.
+"""Kafka producer and consumer factories with sao's settings, a producer that survives a broker
+restart, and blocking helpers (deliver one message, read a whole topic).
 
 The settings work on the embedded Tansu broker and on Apache Kafka alike; nothing here relies
 on a Tansu quirk. Overrides are librdkafka property names, passed as a dict splat:
@@ -7,12 +8,17 @@ on a Tansu quirk. Overrides are librdkafka property names, passed as a dict spla
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
+
+from sao.transport.health import BrokerWatch, client_log
 
 log = logging.getLogger(__name__)
 
@@ -82,37 +88,145 @@ def consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> dict[str
 
 def make_producer(bootstrap: str, **overrides: Any) -> Producer:
     """A producer with `producer_config` settings whose client logs go to `logging`."""
-    return Producer({**producer_config(bootstrap, **overrides), "logger": log})
+    return Producer({**producer_config(bootstrap, **overrides), "logger": client_log})
 
 
 def make_consumer(bootstrap: str, group_id: str, topics: list[str] | None = None, **overrides: Any) -> Consumer:
     """A consumer with `consumer_config` settings, subscribed to `topics` if given."""
-    consumer = Consumer({**consumer_config(bootstrap, group_id, **overrides), "logger": log})
+    consumer = Consumer({**consumer_config(bootstrap, group_id, **overrides), "logger": client_log})
     if topics:
         consumer.subscribe(topics)
     return consumer
 
 
+class RenewingProducer:
+    """A `make_producer` producer that a fresh one replaces after a broker outage or a fatal error.
+
+    An idempotent producer keeps its producer id across reconnects. A broker that restarted
+    without its state (an in-memory one) no longer knows that id and refuses every produce with
+    UnknownProducerId, which librdkafka retries until `message.timeout.ms`. So once the `watch`
+    saw the broker come back (its `generation` grew), or after a fatal error, the next call builds
+    a new producer and sends again what the old one had not seen acknowledged. A message that the
+    old producer did write without hearing back is then written twice: the trainer drops
+    duplicate trajectories by trajectory_id, and announcements and dead letters bear a repeat.
+    It offers the part of `confluent_kafka.Producer` sao uses: produce, poll, flush, len.
+    """
+
+    def __init__(self, bootstrap: str, watch: BrokerWatch, **overrides: Any) -> None:
+        self.watch = watch
+        self._config = {**producer_config(bootstrap, **overrides), "logger": client_log, "error_cb": self._on_error}
+        self._unacknowledged: dict[int, _Outgoing] = {}
+        self._next_id = 0
+        self._fatal: KafkaError | None = None
+        self._generation = watch.generation
+        self._producer = Producer(self._config)
+
+    def produce(self, topic: str, value: bytes | None = None, key: bytes | str | None = None,
+                headers: Headers | None = None, on_delivery: DeliveryCallback | None = None) -> None:
+        self._renew_if_stale()
+        self._send(_Outgoing(topic, value, key, headers, on_delivery))
+
+    def poll(self, timeout: float = 0) -> int:
+        self._renew_if_stale()
+        return self._producer.poll(timeout)
+
+    def flush(self, timeout: float = -1) -> int:
+        """Wait for acknowledgements; return how many are missing. Returns at once once the broker is
+        gone for good: the owner's BrokerGone error names what was left."""
+        self._renew_if_stale()
+        if self.watch.gone:
+            return len(self._unacknowledged)
+        return self._producer.flush(timeout)
+
+    def __len__(self) -> int:
+        return len(self._unacknowledged)
+
+    def unacknowledged(self) -> list[tuple[str, str]]:
+        """(topic, key) of every message handed over and not yet acknowledged, oldest first."""
+        return [(m.topic, _as_text(m.key)) for m in self._unacknowledged.values()]
+
+    def _send(self, message: _Outgoing) -> None:
+        ident = self._next_id
+        self._next_id += 1
+        extra: dict[str, Any] = {} if message.headers is None else {"headers": message.headers}
+        self._producer.produce(message.topic, value=message.value, key=message.key,
+                               on_delivery=lambda error, msg: self._delivered(ident, error, msg), **extra)
+        self._unacknowledged[ident] = message  # only once queued: a BufferError leaves nothing behind
+
+    def _delivered(self, ident: int, error: KafkaError | None, msg: Message) -> None:
+        message = self._unacknowledged.pop(ident, None)
+        if message is None:
+            return  # handed to a newer producer, whose report counts
+        if message.on_delivery is not None:
+            message.on_delivery(error, msg)
+
+    def _on_error(self, error: KafkaError) -> None:
+        self.watch.on_error(error)
+        if error.fatal():
+            self._fatal = error
+
+    def _renew_if_stale(self) -> None:
+        if self._fatal is None and self.watch.generation == self._generation:
+            return
+        reason = f"fatal error: {self._fatal.str()}" if self._fatal is not None else "the broker answers again"
+        old, resend = self._producer, list(self._unacknowledged.values())
+        self._unacknowledged.clear()
+        old.purge()
+        old.poll(0)  # serves the purged messages' reports; nobody waits for them any more
+        self._producer = Producer(self._config)
+        self._generation, self._fatal = self.watch.generation, None
+        log.warning("%s: a new Kafka producer replaces the old one (%s); %d unacknowledged message(s) sent again",
+                    self.watch.process, reason, len(resend))
+        for message in resend:
+            self._send(message)
+
+
+DeliveryCallback = Callable[[KafkaError | None, Message], None]
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """A message handed to a RenewingProducer, kept until acknowledged so a new producer can send it again."""
+
+    topic: str
+    value: bytes | None
+    key: bytes | str | None
+    headers: Headers | None
+    on_delivery: DeliveryCallback | None
+
+
+def _as_text(key: bytes | str | None) -> str:
+    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+
+
 def deliver_and_wait(
-    producer: Producer,
+    producer: Producer | RenewingProducer,
     topic: str,
     value: bytes | None,
     key: bytes | str | None = None,
     headers: Headers | None = None,
     timeout: float = 30,
 ) -> Message:
-    """Produce one message and block until the broker acknowledges it; return the acked message."""
+    """Produce one message and block until the broker acknowledges it; return the acked message.
+
+    With a RenewingProducer, an outage does not count against `timeout`: its watch bounds it
+    (`broker.loss_timeout_s`) and raises BrokerLost or BrokerReplaced from here.
+    """
+    watch = producer.watch if isinstance(producer, RenewingProducer) else None
     reports: list[tuple[KafkaError | None, Message]] = []
     deadline = time.monotonic() + timeout
     extra: dict[str, Any] = {} if headers is None else {"headers": headers}
     _produce(producer, deadline, topic, value, key, on_delivery=lambda err, msg: reports.append((err, msg)), **extra)
     while not reports:
+        if watch is not None:
+            watch.check()
+            if not watch.is_up:
+                deadline = max(deadline, time.monotonic() + timeout)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise DeliveryFailed(
-                f"No acknowledgement for a message to topic {topic!r} within {timeout:.0f} s; "
-                "is the broker reachable and the topic created?"
-            )
+            hint = ("the broker answers, so is the topic created?" if watch is not None
+                    else "is the broker reachable and the topic created?")
+            raise DeliveryFailed(f"No acknowledgement for a message to topic {topic!r} within {timeout:.0f} s; {hint}")
         producer.poll(min(0.1, remaining))
     error, message = reports[0]
     if error is not None:
@@ -121,7 +235,8 @@ def deliver_and_wait(
 
 
 def _produce(
-    producer: Producer, deadline: float, topic: str, value: bytes | None, key: bytes | str | None, **kwargs: Any
+    producer: Producer | RenewingProducer, deadline: float, topic: str, value: bytes | None,
+    key: bytes | str | None, **kwargs: Any,
 ) -> None:
     # BufferError means the local queue is full; serving delivery reports frees room.
     while True:
@@ -147,14 +262,22 @@ def read_all(
     or at `max_messages`. It does not stop at high watermarks because Tansu reports them
     wrong. Order is kept within each partition only. A missing topic reads as empty.
     """
+    messages = iter_all(bootstrap, topic, timeout, quiet_period)
+    try:
+        return list(itertools.islice(messages, max_messages))
+    finally:
+        messages.close()  # closes the consumer now, not whenever the generator is collected
+
+
+def iter_all(bootstrap: str, topic: str, timeout: float = 5.0, quiet_period: float = 1.0) -> Iterator[Message]:
+    """`read_all` one message at a time, for topics too large to hold in memory at once."""
     group_id = f"sao-read-all-{uuid.uuid4().hex[:12]}"  # assign() never joins it; nothing is committed
     consumer = make_consumer(bootstrap, group_id)
     try:
         partitions = _partitions(consumer, topic, timeout)
-        if not partitions:
-            return []
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-        return _drain(consumer, timeout, max_messages, quiet_period)
+        if partitions:
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+            yield from _drain(consumer, timeout, quiet_period)
     finally:
         consumer.close()
 
@@ -166,19 +289,15 @@ def _partitions(consumer: Consumer, topic: str, timeout: float) -> list[int]:
     return sorted(metadata.partitions)
 
 
-def _drain(consumer: Consumer, timeout: float, max_messages: int | None, quiet_period: float) -> list[Message]:
-    messages: list[Message] = []
+def _drain(consumer: Consumer, timeout: float, quiet_period: float) -> Iterator[Message]:
     deadline = time.monotonic() + timeout
     last_arrival = time.monotonic()
     while time.monotonic() < deadline and time.monotonic() - last_arrival < quiet_period:
-        if max_messages is not None and len(messages) >= max_messages:
-            break
         msg = consumer.poll(0.1)
         if msg is None:  # an empty value is falsy, so compare with None
             continue
         if msg.error() is not None:
             log.warning("Error while reading %s: %s", msg.topic(), msg.error())
             continue
-        messages.append(msg)
         last_arrival = time.monotonic()
-    return messages
+        yield msg

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from sao.config import EnvConfig
-from sao.envs.arithmetic import last_number
+from sao.envs import arithmetic
+from sao.envs.arithmetic import is_held_out, last_number, question_digest
 from sao.envs.registry import UnknownEnv, env_class, make_env, make_tasks
 
 
@@ -77,3 +78,60 @@ def test_any_reasoning_gym_dataset_with_last_line_answers():
     assert not env.step("I am not sure.").done  # wrong: feedback and another try
     feedback = env.step(f"Reversed:\n{word[::-1]}")
     assert feedback.done and feedback.reward == pytest.approx(0.5)  # right at the second attempt
+
+
+# --- the held-out partition --------------------------------------------------------------------
+
+def _questions(tasks, config: EnvConfig | None = None) -> list[str]:
+    env = make_env(config or EnvConfig())
+    return [env.reset(task.spec) for task in tasks]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 1_000_003])
+def test_no_held_out_question_is_ever_a_training_task(seed):
+    # 1_000_003 is the eval split's own scan seed: the split still holds, it is by question.
+    config = EnvConfig(seed=seed)
+    train = _questions(make_tasks(config, 2000), config)
+    held_out = _questions(make_tasks(config, 400, split="eval"), config)
+    assert not set(train) & set(held_out)
+    assert all(not is_held_out(question_digest(q)) for q in train)
+    assert all(is_held_out(question_digest(q)) for q in held_out)
+
+
+def test_the_default_domain_holds_out_more_than_a_hundred_distinct_questions():
+    held_out = make_tasks(EnvConfig(), 400, split="eval")
+    distinct = {task.task_id for task in held_out}
+    assert len(distinct) == len(set(_questions(held_out))) >= 100
+    # 242 questions in all: what is not held out is what training draws from.
+    assert len(distinct) + len(set(_questions(make_tasks(EnvConfig(), 2000)))) == 242
+    # Ids name the question, so a small domain's eval split repeats from its start.
+    ids = [task.task_id for task in held_out]
+    assert ids[len(distinct):2 * len(distinct)] == ids[:len(distinct)]
+    assert ids[0] == f"eval/basic_arithmetic/{question_digest(_questions(held_out[:1])[0])[:16]}"
+
+
+def test_the_eval_split_does_not_depend_on_the_seed():
+    a, b = make_tasks(EnvConfig(seed=0), 50, split="eval"), make_tasks(EnvConfig(seed=7), 50, split="eval")
+    assert [t.task_id for t in a] == [t.task_id for t in b]
+    assert [t.spec for t in a] == [t.spec for t in b]
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_a_later_wave_continues_the_same_stream(split):
+    # A resumed run (a fresh process: nothing cached) sees the tasks the first one saw.
+    config = EnvConfig(seed=3)
+    whole = [(t.task_id, t.spec) for t in make_tasks(config, 30, split=split)]
+    arithmetic._stream.cache_clear()
+    arithmetic._dataset.cache_clear()
+    assert [(t.task_id, t.spec) for t in make_tasks(config, 12, start_index=18, split=split)] == whole[18:]
+
+
+def test_a_sampler_refuses_a_held_out_question_sent_for_training():
+    held_out = make_tasks(EnvConfig(), 1, split="eval")[0]
+    env = make_env(EnvConfig())
+    assert env.reset(held_out.spec)  # as an eval task it runs
+    with pytest.raises(ValueError, match="held-out question was sent as a training task"):
+        env.reset({**held_out.spec, "split": "train"})
+    train = make_tasks(EnvConfig(), 1)[0]
+    with pytest.raises(ValueError, match="not the question the task names"):
+        env.reset({**train.spec, "index": train.spec["index"] + 1, "size": train.spec["size"]})

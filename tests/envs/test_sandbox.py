@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,6 +16,8 @@ import psutil
 import pytest
 
 from sao.config import SandboxConfig
+from sao.envs import sandbox_cgroup
+from sao.envs.guard import EnvFailure, call_env
 from sao.envs.sandbox import GRACE_S, classify, run_python
 from sao.envs.sandbox_launch import UID_BASE
 
@@ -61,7 +65,7 @@ def test_passing_and_failing_programs():
 
 @needs_root
 def test_full_isolation_as_root(layers):
-    assert {"netns", "mountns", "pidns", "tmpfs", "uid", "rlimits"} <= set(layers)
+    assert {"netns", "mountns", "pidns", "ipcns", "tmpfs", "uid", "rlimits"} <= set(layers)
     seen = run("import os; print(os.getuid(), os.getpid(), sorted(os.listdir('/root')))")
     uid, pid, home = seen.stdout_tail.split(" ", 2)
     assert int(uid) == seen.uid >= UID_BASE
@@ -191,3 +195,195 @@ def test_classify_maps_exit_codes_to_statuses():
     assert classify(-signal.SIGKILL, 2.0, "", LIMITS) == "timeout"  # past the hard CPU limit
     assert classify(-signal.SIGKILL, 0.1, "", LIMITS) == "killed"
     assert classify(-signal.SIGSEGV, 0.1, "", LIMITS) == "killed"
+
+
+def test_sysv_shared_memory_stays_in_the_sandbox(layers):
+    needs(layers, "ipcns")
+    key = 0x5A000000 | secrets.randbelow(1 << 24)
+    result = run(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        IPC_CREAT = 0o1000
+        print(libc.shmget({key}, 1 << 20, IPC_CREAT | 0o600))  # never removed: it would outlive the run
+    """)
+    assert result.status == "passed" and int(result.stdout_tail) >= 0, result.stderr_tail  # it was made, inside
+    host_keys = [int(line.split()[0]) for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+    assert key not in host_keys
+
+
+@pytest.fixture
+def host_socket_in_run():
+    """A listening UNIX socket in the host's /run, as a daemon's would be."""
+    directory = Path("/run") / f"sao-test-{secrets.token_hex(4)}"
+    try:
+        directory.mkdir(mode=0o755)
+    except OSError as err:
+        pytest.skip(f"cannot make a directory in /run here: {err}")
+    path = directory / "daemon.sock"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(str(path))
+            os.chmod(path, 0o777)  # anyone on the host may connect: only the sandbox's view stops it
+            server.listen()
+            server.settimeout(0.5)
+            yield server, path
+    finally:
+        path.unlink(missing_ok=True)
+        directory.rmdir()
+
+
+def test_host_unix_sockets_in_run_are_out_of_sight(layers, host_socket_in_run):
+    needs(layers, "mountns", "tmpfs")
+    server, path = host_socket_in_run
+    result = run(f"""
+        import os, socket
+        print("visible" if os.path.exists({str(path)!r}) else "hidden")
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            client.connect({str(path)!r})
+            print("connected")
+        except OSError as err:
+            print("refused", err.strerror)
+    """)
+    assert result.status == "passed", result.stderr_tail
+    assert result.stdout_tail.splitlines()[0] == "hidden" and "connected" not in result.stdout_tail
+    with pytest.raises(TimeoutError):
+        server.accept()  # nothing ever connected
+
+
+def test_hostile_calls_are_refused(layers, monkeypatch):
+    needs(layers, "pidns", "proc", "mountns")
+    marker = f"sao-secret-{secrets.token_hex(8)}"
+    monkeypatch.setenv("SAO_TEST_SECRET", marker)
+    result = run(f"""
+        import ctypes, json, os, signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        found = {{}}
+        environments = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environments.append(open(f"/proc/{{pid}}/environ", "rb").read().decode(errors="replace"))
+            except OSError:
+                pass
+        found["secret"] = any({marker!r} in text for text in environments)
+        found["pids"] = sorted(int(pid) for pid in filter(str.isdigit, os.listdir("/proc")))
+        PTRACE_ATTACH = 16
+        found["ptrace"] = libc.ptrace(PTRACE_ATTACH, 1, None, None)
+        os.mkdir("mnt")
+        found["mount"] = libc.mount(b"tmpfs", b"mnt", b"tmpfs", 0, None)
+        for target in (1, os.getppid(), {os.getpid()}, -1):
+            try:
+                os.kill(target, signal.SIGKILL)
+            except OSError:
+                pass
+        print(json.dumps(found))
+    """)
+    assert result.status == "passed", result.stderr_tail  # kill(-1), of PID 1, of sao's pid: the supervisor lives on
+    found = json.loads(result.stdout_tail)
+    assert found["secret"] is False and found["pids"] == [1, 2]  # no host process, and sao's environment unseen
+    assert found["ptrace"] == -1 and found["mount"] == -1
+
+
+def _memory_hog(child_mb: int) -> str:
+    """8 children each fill `child_mb` MiB, then hold it until all have tried; prints how many hold at once."""
+    return f"""
+        import os, select, time
+        report_read, report_write = os.pipe()
+        release_read, release_write = os.pipe()
+        children = []
+        for _ in range(8):
+            try:
+                pid = os.fork()
+            except OSError:
+                continue  # the process limit
+            if pid == 0:
+                try:
+                    block = b"x" * ({child_mb} << 20)  # written, so resident: not just address space
+                    os.write(report_write, b"+")
+                except MemoryError:
+                    os.write(report_write, b"-")
+                os.read(release_read, 1)
+                os._exit(0)
+            children.append(pid)
+        os.close(report_write)
+        alive, reports = set(children), b""
+        deadline = time.monotonic() + 10
+        while len(reports) < len(alive) and time.monotonic() < deadline:  # a child the kernel kills never reports
+            alive -= {{pid for pid in alive if os.waitpid(pid, os.WNOHANG)[0]}}
+            if select.select([report_read], [], [], 0.05)[0]:
+                reports += os.read(report_read, 8)
+        holding = [pid for pid in alive if os.waitpid(pid, os.WNOHANG)[0] == 0]
+        print(len(children), reports.count(b"+"), len(holding))
+    """
+
+
+@needs_root
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup-if-available", "rlimits-only"])
+def test_all_processes_together_stay_within_the_memory_bound(cgroup):
+    """8 children cannot hold more than the sandbox's bound together: total_memory_mb with a
+    cgroup, max_processes x memory_mb without (each case sized so that 8 children would exceed it)."""
+    if cgroup:
+        limits = LIMITS.model_copy(update={"memory_mb": 256, "total_memory_mb": 512, "max_processes": 16,
+                                           "cpu_time_s": 5, "wall_time_s": 15})
+        child_mb = 200
+    else:
+        limits = LIMITS.model_copy(update={"memory_mb": 160, "max_processes": 4, "cgroup": False,
+                                           "cpu_time_s": 5, "wall_time_s": 15})
+        child_mb = 100
+    result = run(_memory_hog(child_mb), limits)
+    used_cgroup = "cgroup" in result.isolation
+    bound_mb = limits.total_memory_mb if used_cgroup else limits.max_processes * limits.memory_mb
+    assert 8 * child_mb > bound_mb  # the test could fail
+    forked, filled, holding = map(int, result.stdout_tail.split())
+    assert holding * child_mb <= bound_mb and filled >= 1, result
+    if used_cgroup:
+        assert result.status == "memory"  # the kernel killed the children past the limit
+    else:
+        assert result.status == "passed" and forked <= limits.max_processes - 1
+    assert used_cgroup == (cgroup and cgroup_available())
+
+
+def cgroup_available() -> bool:
+    probe = sandbox_cgroup.create(64, 1)
+    if probe:
+        probe.remove()
+    return probe is not None
+
+
+def cgroups_left() -> list[Path]:
+    """This test process's sandbox cgroups that still exist."""
+    parents = sandbox_cgroup._parent_cgroups()
+    return [path for parent in (parents or ())[1:] if parent for path in parent.glob(f"sao-sandbox-{os.getpid()}-*")]
+
+
+@needs_root
+def test_each_run_removes_its_cgroup_even_when_interrupted(layers):
+    if "cgroup" not in layers:
+        pytest.skip("no cgroup can be made here: the rlimits bound applies")
+    assert cgroups_left() == []
+    run("import time; time.sleep(5)", LIMITS.model_copy(update={"wall_time_s": 0.5}))
+    assert cgroups_left() == []
+    with pytest.raises(EnvFailure):  # as the env guard interrupts a step: run_python kills the launcher
+        call_env("env.step", run, "import time; time.sleep(30)", LIMITS.model_copy(update={"wall_time_s": 30}),
+                 timeout_s=1)
+    assert cgroups_left() == [] and sandbox_processes() == []
+
+
+@needs_root
+def test_cgroups_left_by_a_dead_sao_process_are_removed(layers):
+    if "cgroup" not in layers:
+        pytest.skip("no cgroup can be made here")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names no process now
+    parents = {parent for parent in sandbox_cgroup._parent_cgroups()[1:] if parent}
+    stale = [parent / f"sao-sandbox-{dead.pid}-0" for parent in parents]
+    for directory in stale:
+        directory.mkdir()
+    try:
+        sandbox_cgroup._parent_cgroups.cache_clear()  # found again, as by a new sao process
+        sandbox_cgroup._parent_cgroups()
+        assert not any(directory.exists() for directory in stale)
+    finally:
+        for directory in stale:
+            if directory.exists():
+                directory.rmdir()

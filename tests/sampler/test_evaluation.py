@@ -1,35 +1,67 @@
-"""`sao eval`: held-out tasks, base or published versions, clear error for a pruned version."""
+"""Held-out evaluation: distinct eval tasks, batched greedy scores, the paired comparison and its cache."""
 
 import json
 
 import pytest
 import torch
 
-from sao.envs.registry import make_tasks
 from sao.policy.weights import build_policy, unique_state_dict, write_weights
-from sao.sampler.evaluation import evaluate, weights_of
+from sao.sampler.evaluation import compare, evaluate, heldout_tasks, weights_of
 from sao.schema import PolicyAnnouncement
 
 
-def test_eval_split_is_disjoint_from_training(tiny_config):
-    train = make_tasks(tiny_config.env, 50)
-    held_out = make_tasks(tiny_config.env, 50, split="eval")
-    assert not {t.task_id for t in train} & {t.task_id for t in held_out}
-    assert {t.spec["seed"] for t in train}.isdisjoint({t.spec["seed"] for t in held_out})
+def _publish(policy, run_dir, version: int) -> None:
+    path = run_dir / "policy" / f"policy-v{version:06d}.safetensors"
+    sha = write_weights(unique_state_dict(policy.state_dict()), path)
+    path.with_suffix(".json").write_text(json.dumps(
+        PolicyAnnouncement(version, str(path), sha, path.stat().st_size, version * 2).to_wire()))
+
+
+def _with_cache(config, cache_dir):
+    return config.model_copy(update={"run": config.run.model_copy(update={"heldout_cache_dir": str(cache_dir)})})
+
+
+def test_heldout_tasks_are_distinct_and_capped(tiny_config):
+    everything = heldout_tasks(tiny_config, 400)
+    assert len(everything) == len({t.task_id for t in everything}) >= 100  # the default domain holds out 129
+    assert [t.task_id for t in heldout_tasks(tiny_config, 10)] == [t.task_id for t in everything[:10]]
+    assert all(t.task_id.startswith("eval/") for t in everything)
+    # humaneval's eval split cycles through its 33 problems under new ids: each is scored once.
+    humaneval = tiny_config.model_copy(update={"env": tiny_config.env.model_copy(update={"name": "humaneval"})})
+    assert len(heldout_tasks(humaneval, 50)) == 33
 
 
 def test_eval_scores_a_published_version(tiny_config, encoder, tmp_path):
     policy = build_policy(tiny_config.policy, encoder.dim)
     torch.nn.init.normal_(policy.projector.weight, std=0.01)
-    path = tmp_path / "policy" / "policy-v000003.safetensors"
-    sha = write_weights(unique_state_dict(policy.state_dict()), path)
-    path.with_suffix(".json").write_text(json.dumps(
-        PolicyAnnouncement(3, str(path), sha, path.stat().st_size, 6).to_wire()))
-    result = evaluate(tiny_config, tmp_path, version=3, num_tasks=2)
-    assert result["version"] == 3 and 0 <= result["reward_mean"] <= 1
+    _publish(policy, tmp_path, 3)
+    result = evaluate(tiny_config, tmp_path, version=3, num_tasks=3)
+    assert (result["version"], result["tasks"], result["n"]) == (3, 3, 3) and 0 <= result["reward_mean"] <= 1
+    assert sorted(result["per_task"]) == sorted(t.task_id for t in heldout_tasks(tiny_config, 3))
     assert json.loads((tmp_path / "eval" / "v000003.json").read_text()) == result
     with pytest.raises(FileNotFoundError, match=r"kept: \[3\]"):
         weights_of(tmp_path, 1)
+
+
+def test_the_paired_comparison_writes_the_heldout_figures_and_caches_the_base(tiny_config, encoder, tmp_path):
+    config = _with_cache(tiny_config, tmp_path / "cache")
+    _publish(build_policy(config.policy, encoder.dim), tmp_path, 1)  # the base weights, republished
+    first = compare(config, tmp_path, version=1, cap=4)
+    assert first["heldout_n"] == 4 and not first["base_cached"]
+    # Same weights, greedy: every task scores the same, so the paired differences are all 0.
+    assert first["heldout_final"] == first["heldout_base"] and first["heldout_gain"] == 0
+    assert first["heldout_gain_stderr"] == 0
+    assert json.loads((tmp_path / "eval" / "heldout.json").read_text()) == first
+    [cached] = (tmp_path / "cache").glob("*.json")
+    # A later run reads the base model's scores from the cache (here: doctored, to see them used).
+    stored = json.loads(cached.read_text())
+    stored["scores"] = {task: {"first_try": 1.0, "reward": 1.0} for task in stored["scores"]}
+    cached.write_text(json.dumps(stored))
+    again = compare(config, tmp_path, version=1, cap=4)
+    assert again["base_cached"] and again["heldout_base"] == 1.0
+    assert again["heldout_gain"] == pytest.approx(first["heldout_final"] - 1.0)
+    # Another cap means other tasks: not the cached entry.
+    assert not compare(config, tmp_path, version=1, cap=3)["base_cached"]
 
 
 @pytest.mark.slow
@@ -41,3 +73,21 @@ def test_eval_runs_on_the_labyrinth(tiny_config, tmp_path):
     result = evaluate(config, tmp_path, version=0, num_tasks=2)
     assert (result["tasks"], result["split"]) == (2, "eval") and 0 <= result["reward_mean"] <= 1
     assert json.loads((tmp_path / "eval" / "v000000.json").read_text()) == result
+
+
+def test_sao_eval_reports_the_paired_comparison_against_a_baseline(encoder, tmp_path):
+    from typer.testing import CliRunner
+
+    from sao.cli import app
+    from sao.config import load_config
+
+    config = load_config(overrides=['policy.model="tiny"'], environ={})
+    _publish(build_policy(config.policy, encoder.dim), tmp_path, 2)
+    common = ["eval", "--run-dir", str(tmp_path), "--num-tasks", "2", "--set", 'policy.model="tiny"',
+              "--set", f'run.heldout_cache_dir="{tmp_path / "cache"}"']
+    result = CliRunner().invoke(app, [*common, "--version", "2", "--baseline", "0"])
+    assert result.exit_code == 0, result.output
+    assert "heldout_gain" in result.output and "v2 vs v0" in result.output
+    assert json.loads((tmp_path / "eval" / "heldout.json").read_text())["heldout_n"] == 2
+    missing = CliRunner().invoke(app, [*common, "--version", "5", "--baseline", "0"])
+    assert missing.exit_code == 2 and "policy v5 is not in" in missing.output

@@ -46,13 +46,22 @@ def test_a_finished_episode_is_replaced_at_once_and_every_task_is_committed(
 
 
 class _Announcements:
-    """Stands in for the policy follower: returns the newest announcement set by the test."""
+    """Stands in for the policy follower: offers the newest announcement set by the test, unless refused."""
 
     def __init__(self):
         self.latest = None
+        self.refused_versions = set()
 
     def poll(self):
+        if self.latest is None or self.latest.policy_version in self.refused_versions:
+            return None
         return self.latest
+
+    def loaded(self, version):
+        pass
+
+    def refused(self, version):
+        self.refused_versions.add(version)
 
     def close(self):
         pass
@@ -60,23 +69,29 @@ class _Announcements:
 
 def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_read_twice(
         kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path, monkeypatch):
+    import shutil
+
     import torch
 
     from sao.policy.weights import unique_state_dict, write_weights
+    from sao.run_dir import RunDir
     from sao.sampler import loop as sampler_module
     from sao.schema import PolicyAnnouncement
 
     config = tiny_config.model_copy(deep=True)
     config.topics.tasks, config.topics.sampler_group = f"{unique_topic_prefix}.tasks", f"{unique_topic_prefix}-s"
     config.metrics.sampler_port = 0
+    run_dir = RunDir(tmp_path)
+    config.sampler.policy_dir = str(run_dir.policy_dir)
     sampler = Sampler(config, kafka_bootstrap, "s-reload")
     sampler.policy_follower = follower = _Announcements()
     reads = []
     real_read = sampler_module.read_weights_into
-    monkeypatch.setattr(sampler_module, "read_weights_into", lambda *a: (reads.append(a[1]), real_read(*a)))
+    monkeypatch.setattr(sampler_module, "read_weights_into",
+                        lambda *a, **k: (reads.append(a[1].name), real_read(*a, **k)))
     with torch.no_grad():
         sampler.policy.projector.bias.fill_(0.5)  # v1 differs from v0 in a way we can see
-    path = tmp_path / "v1.safetensors"
+    path = run_dir.weights(1)
     sha = write_weights(unique_state_dict(sampler.policy.state_dict()), path)
     with torch.no_grad():
         sampler.policy.projector.bias.zero_()
@@ -88,8 +103,9 @@ def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_
     assert sampler.policy_version == 1 and sampler.pending is None
     assert float(sampler.policy.projector.bias.detach()[0]) == 0.5
 
-    follower.latest = PolicyAnnouncement(2, str(path), "0" * 64, path.stat().st_size, 2)  # wrong hash
+    shutil.copy(path, run_dir.weights(2))
+    follower.latest = PolicyAnnouncement(2, str(run_dir.weights(2)), "0" * 64, path.stat().st_size, 2)  # wrong hash
     sampler._follow_policy(reload_now=True)
     sampler._follow_policy(reload_now=True)  # the same refused announcement again
-    assert sampler.policy_version == 1 and reads == [str(path), str(path)]  # v1 once, v2 once
+    assert sampler.policy_version == 1 and reads == [path.name, run_dir.weights(2).name]  # v1 once, v2 once
     sampler.tasks.close()

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from sao.schema import Memory, Step, Trajectory, encode
-from sao.transport.kafka import make_producer
+from sao.transport.dlq import describe_dlq_message
+from sao.transport.kafka import make_producer, read_all
 from sao.transport.topics import ensure_topics
 
 TOTAL = 18  # unique trajectories; plus one duplicate and one malformed message
@@ -50,6 +51,39 @@ def produce_trajectories(bootstrap: str, prefix: str, partitions: int = 3) -> li
     return [t.trajectory_id for t in trajectories]
 
 
-def trainer_command(config: Path, bootstrap: str, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "sao.cli", "trainer", "--config", str(config), "--bootstrap-servers", bootstrap,
-            "--run-dir", str(run_dir), "--expect", str(TOTAL + 1), *extra]
+def trainer_command(config: Path, bootstrap: str, run_dir: Path, *extra: str, expect: int = TOTAL + 1,
+                    entry: list[str] | None = None) -> list[str]:
+    """`sao trainer` (or `entry`, a script standing in for `-m sao.cli`) until `expect` trajectories are handled."""
+    return [sys.executable, *(entry or ["-m", "sao.cli"]), "trainer", "--config", str(config), "--bootstrap-servers",
+            bootstrap, "--run-dir", str(run_dir), "--expect", str(expect), *extra]
+
+
+def produce(bootstrap: str, topic: str, trajectories: list[Trajectory]) -> None:
+    """Each trajectory keyed by its task id, all acknowledged."""
+    producer = make_producer(bootstrap)
+    for trajectory in trajectories:
+        producer.produce(topic, encode(trajectory), key=trajectory.task_id)
+    assert producer.flush(60) == 0
+
+
+def dead_letters(bootstrap: str, topic: str) -> dict[str, dict]:
+    """Dead letters by key (task id)."""
+    letters = [describe_dlq_message(m) for m in read_all(bootstrap, topic, timeout=30)]
+    by_key = {letter["key"].decode(): letter for letter in letters}
+    assert len(by_key) == len(letters), "a message was dead-lettered twice"
+    return by_key
+
+
+def trained_ids(run_dir) -> list[str]:
+    """Every id in the ledger, in training order."""
+    return [tid for line in (run_dir / "trained.jsonl").read_text().splitlines()
+            for tid in json.loads(line).get("trajectory_ids", [])]
+
+
+def latest_weights_are_finite(run_dir) -> bool:
+    """Whether the newest published weights hold only finite numbers."""
+    import torch
+    from safetensors.torch import load_file
+
+    newest = sorted((run_dir / "policy").glob("policy-v*.safetensors"))[-1]
+    return all(bool(torch.isfinite(tensor).all()) for tensor in load_file(newest).values())

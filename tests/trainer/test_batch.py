@@ -7,7 +7,7 @@ import torch
 from sao.config import TrainerConfig
 from sao.schema import Memory, Step, Trajectory
 from sao.trainer.baselines import RewardBaseline
-from sao.trainer.batch import plan_batch
+from sao.trainer.batch import plan_batch, record_rewards
 from sao.trainer.objectives import LossInputs, policy_loss
 
 
@@ -26,12 +26,14 @@ def test_grpo_uses_group_means():
     assert plan.staleness == [3, 3, 3, 3]
 
 
-def test_sao_uses_the_running_baseline_and_updates_it():
+def test_sao_uses_the_running_baseline_and_updates_it_only_once_the_step_is_applied():
     baseline = RewardBaseline(key="env", momentum=0.5)
     baseline.update("warmup", "arithmetic", 0.5)
     cfg = TrainerConfig(whiten_advantages=False)
     plan = plan_batch([trajectory("a", 1.0), trajectory("b", 0.0)], baseline, cfg, policy_version=0)
     assert plan.advantages == pytest.approx([0.5, -0.5])
+    assert baseline.value("c", "arithmetic") == 0.5  # planning leaves it alone: the step may yet be skipped
+    record_rewards(plan, baseline)
     assert baseline.value("c", "arithmetic") == pytest.approx(0.5 * (0.5 * 0.5 + 0.5 * 1.0) + 0.5 * 0.0)
 
 

@@ -1,0 +1,130 @@
+"""One optimizer step over a batch, keeping out of the weights whatever cannot be trained on.
+
+Two failures end here instead of ending the trainer; each returns the trajectories at fault so
+the loop can dead-letter them:
+- A trajectory that raises while scored. With one rank the engine is put back in order, each
+  trajectory of the batch is scored alone (forward only) to find those that raise, and the
+  batch is scored again without them (`scoring-error`). With several ranks the error is raised:
+  the other ranks wait in a collective the failing rank never joins, so no rank can recover
+  alone. Validation before buffering (`sao/trainer/validation.py`) refuses everything known to
+  raise here, so this is the net under it, not the filter.
+- A non-finite loss or gradient norm. A rank whose loss is not finite back-propagates NaN on
+  purpose, so DeepSpeed's global gradient-norm check (all-reduced: every rank decides alike)
+  drops the step: weights, optimizer state and learning-rate schedule stay as they were. The
+  whole batch is returned (`non-finite-loss` or `non-finite-gradient`) and its rewards must not
+  reach the baselines.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from sao.config import TrainerConfig
+from sao.schema import Trajectory
+from sao.trainer.batch import BatchPlan, rank_loss
+from sao.trainer.distributed import all_reduce_stats, rank, world_size
+from sao.trainer.engine import reset_after_failed_pass
+from sao.trainer.objectives import LossStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutcome:
+    plan: BatchPlan | None  # what was scored: the batch without the trajectories that raised (None: nothing left)
+    stats: LossStats | None
+    applied: bool  # the optimizer changed the weights
+    refused: list[tuple[Trajectory, str, str]] = field(default_factory=list)  # (trajectory, reason, detail)
+    forward_backward_s: float = 0.0
+    optimizer_s: float = 0.0
+
+    @property
+    def skipped_reason(self) -> str | None:
+        """Why a scored batch was not applied (non-finite-loss or non-finite-gradient)."""
+        if self.applied or self.stats is None:
+            return None
+        return "non-finite-loss" if not math.isfinite(self.stats.loss) else "non-finite-gradient"
+
+
+def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], BatchPlan], cfg: TrainerConfig,
+               memory_dim: int, accumulation: int) -> StepOutcome:
+    """Score `plan` and step; `replan` makes the plan of a smaller batch (advantages depend on the batch)."""
+    refused: list[tuple[Trajectory, str, str]] = []
+    while True:
+        try:
+            outcome = _forward_backward_step(engine, plan, cfg, memory_dim, accumulation)
+            break
+        except Exception as err:  # whatever one trajectory triggers must not stop the trainer
+            if world_size() > 1:
+                raise
+            reset_after_failed_pass(engine)
+            unscorable = _unscorable(engine, plan, cfg, memory_dim)
+            if not unscorable:  # not one trajectory's fault but the batch's (its memory, say), or the trainer's
+                raise RuntimeError(f"training on a batch of {len(plan.trajectories)} failed ({type(err).__name__}: {err}), "
+                                   "yet each of its trajectories scores alone; if it ran out of memory, lower "
+                                   "trainer.batch_size or raise gradient_accumulation_steps") from err
+            refused += unscorable
+            failed = {id(t) for t, _, _ in unscorable}
+            kept = [t for t in plan.trajectories if id(t) not in failed]
+            if not kept:
+                return StepOutcome(None, None, False, refused)
+            plan = replan(kept)
+    outcome.refused = refused
+    if outcome.skipped_reason:
+        detail = (f"the batch's loss was {outcome.stats.loss}; the step was skipped" if
+                  outcome.skipped_reason == "non-finite-loss" else
+                  f"the batch's gradient norm was {engine.get_global_grad_norm()}; the step was skipped")
+        outcome.refused += [(t, outcome.skipped_reason, detail) for t in outcome.plan.trajectories]
+    elif not math.isfinite(outcome.stats.loss):
+        raise RuntimeError("DeepSpeed applied a step whose loss was not finite; sao relies on ZeRO's gradient-norm "
+                           "check to skip such steps (DeepSpeed 0.19 does). The weights may now hold NaN.")
+    return outcome
+
+
+def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int,
+                           accumulation: int) -> StepOutcome:
+    """Forward, backward and optimizer step over the batch, split into `accumulation` chunks and across ranks."""
+    ranks, count = world_size(), len(plan.trajectories)
+    normaliser = count / (accumulation * ranks)
+    chunks = [list(range(count))[i::accumulation] for i in range(accumulation)]
+    parts, forward_backward_s, optimizer_s = [], 0.0, 0.0
+    for index, chunk in enumerate(chunks):
+        # Said outright rather than counted by DeepSpeed: after a pass that raised half-way its
+        # count of micro-steps is off, and the retried batch would step in the middle.
+        engine.set_gradient_accumulation_boundary(index == len(chunks) - 1)
+        t0 = time.perf_counter()
+        loss, stats = rank_loss(engine, plan, chunk[rank()::ranks], normaliser, cfg, memory_dim)
+        if not torch.isfinite(loss):
+            # A NaN seed gradient makes every gradient it reaches NaN: DeepSpeed then skips the
+            # step on all ranks, and the gradients of earlier accumulation chunks go with it.
+            loss = loss * float("nan")
+        engine.backward(loss)
+        t1 = time.perf_counter()
+        engine.step()
+        forward_backward_s += t1 - t0
+        optimizer_s += time.perf_counter() - t1
+        parts.append(stats)
+    stats = all_reduce_stats(parts, accumulation * ranks, engine.device)
+    return StepOutcome(plan, stats, bool(engine.was_step_applied()), forward_backward_s=forward_backward_s,
+                       optimizer_s=optimizer_s)
+
+
+def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int) -> list[tuple[Trajectory, str, str]]:
+    """The trajectories of `plan` that raise when scored alone (forward only), with their errors."""
+    failed = []
+    for index, trajectory in enumerate(plan.trajectories):
+        alone = BatchPlan([trajectory], [plan.advantages[index]], [plan.staleness[index]])
+        try:
+            with torch.no_grad():
+                rank_loss(engine, alone, [0], 1.0, cfg, memory_dim)
+        except Exception as err:  # noqa: BLE001 - the error is the finding: it goes to the DLQ with the trajectory
+            reset_after_failed_pass(engine)
+            log.warning("trajectory %s raises when scored: %s: %s", trajectory.trajectory_id, type(err).__name__, err)
+            failed.append((trajectory, "scoring-error", f"{type(err).__name__}: {err}"[:2000]))
+    return failed

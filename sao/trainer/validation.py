@@ -1,0 +1,133 @@
+"""Decide whether a decoded Trajectory is usable by this trainer's model, before it is buffered.
+
+The schema checks that a message is well formed; this checks it against the model and the run:
+token ids inside the vocabulary, memory as wide as the encoder, something to condition on,
+numbers finite and in ranges the loss can carry, and a behaviour version this trainer has
+published. A trajectory that fails raises `SchemaError` with a reason code (the DLQ header) and
+the field at fault; one that passes can be scored without raising and gives a finite loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from torch import nn
+
+from sao.config import TrainerConfig
+from sao.schema import SchemaError, Trajectory
+
+# A sampler draws from logits / temperature: far outside this band the distribution is a one-hot
+# or a uniform in all but name, and dividing logits by it overflows or underflows float32.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+# No sampler ever draws a token of probability e^-80 (about 2e-35); and with log mu >= -80 one
+# token's importance ratio pi/mu <= e^80 still fits in float32 (whose limit is about e^88.7).
+MIN_BEHAVIOUR_LOGPROB = -80.0
+# The encoder's vectors have norm 1, so an absmax INT8 scale is at most 1/127; this bound is
+# generous and keeps the dequantized memory (int8 x scale) far from float32 overflow.
+MAX_MEMORY_SCALE = 1e3
+
+
+@dataclass(frozen=True)
+class TrajectoryValidator:
+    """What this trainer's model and config accept; `validate` raises SchemaError on the first misfit."""
+
+    vocab_size: int  # token ids must lie in [0, vocab_size)
+    memory_dim: int  # width of every memory vector (the encoder's)
+    max_abs_reward: float
+    max_bytes: int
+
+    @classmethod
+    def for_model(cls, model: nn.Module, memory_dim: int, cfg: TrainerConfig) -> TrajectoryValidator:
+        """Limits of `model` (a MemoryPolicy): ids index its input embeddings and its output logits."""
+        lm = model.lm
+        vocab_size = lm.get_input_embeddings().num_embeddings
+        output = lm.get_output_embeddings()
+        if output is not None:
+            vocab_size = min(vocab_size, output.out_features)
+        return cls(vocab_size, memory_dim, cfg.max_abs_reward, cfg.max_trajectory_bytes)
+
+    def check_size(self, num_bytes: int) -> None:
+        """Before decoding: a message over `trainer.max_trajectory_bytes` is refused unread."""
+        if num_bytes > self.max_bytes:
+            raise SchemaError("too-large", "value", f"{num_bytes} bytes is over trainer.max_trajectory_bytes "
+                                                    f"({self.max_bytes})")
+
+    def validate(self, trajectory: Trajectory, policy_version: int) -> None:
+        """Raise SchemaError (reason, field) unless this trainer can train on `trajectory` at `policy_version`."""
+        self._check_versions_and_settings(trajectory, policy_version)
+        self._check_memory(trajectory)
+        self._check_tokens(trajectory)
+        self._check_steps(trajectory)
+
+    def _check_versions_and_settings(self, trajectory: Trajectory, policy_version: int) -> None:
+        if trajectory.behaviour_version > policy_version:
+            raise SchemaError("future-version", "behaviour_version",
+                              f"v{trajectory.behaviour_version} is newer than this trainer's v{policy_version}: "
+                              "no such policy was published")
+        if trajectory.recent_window < 0:
+            raise SchemaError("out-of-range", "recent_window", f"{trajectory.recent_window} is negative")
+        _finite(trajectory.created_at, "created_at")
+        _finite(trajectory.temperature, "temperature")
+        if not MIN_TEMPERATURE <= trajectory.temperature <= MAX_TEMPERATURE:
+            raise SchemaError("out-of-range", "temperature",
+                              f"{trajectory.temperature} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+        for name, table in (("timings", trajectory.timings), ("compression", trajectory.compression)):
+            for key, value in table.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise SchemaError("invalid-field", f"{name}.{key}",
+                                      f"expected a number, got {type(value).__name__}")
+                _finite(value, f"{name}.{key}")
+
+    def _check_memory(self, trajectory: Trajectory) -> None:
+        memory = trajectory.memory
+        if memory.vectors.shape[1] != self.memory_dim:
+            raise SchemaError("invalid-memory", "memory.vectors",
+                              f"vectors are {memory.vectors.shape[1]} wide; this trainer's encoder gives "
+                              f"{self.memory_dim}")
+        _all_finite(memory.scales, "memory.scales")
+        _all_finite(memory.reward_sums, "memory.reward_sums")
+        if len(memory.scales) and not (memory.scales.min() >= 0 and memory.scales.max() <= MAX_MEMORY_SCALE):
+            raise SchemaError("out-of-range", "memory.scales", f"scales must lie in [0, {MAX_MEMORY_SCALE}]")
+
+    def _check_tokens(self, trajectory: Trajectory) -> None:
+        arrays = [("prompt_ids", trajectory.prompt_ids)]
+        for i, step in enumerate(trajectory.steps):
+            arrays += [(f"steps[{i}].observation_ids", step.observation_ids),
+                       (f"steps[{i}].action_ids", step.action_ids)]
+        for name, ids in arrays:
+            if len(ids) and not (ids.min() >= 0 and ids.max() < self.vocab_size):
+                bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+                raise SchemaError("invalid-token", name,
+                                  f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_steps(self, trajectory: Trajectory) -> None:
+        for i, step in enumerate(trajectory.steps):
+            # The first action token is scored given what precedes it; with nothing before it
+            # the model has no position to predict it from.
+            sees_earlier_turn = i > 0 and trajectory.recent_window > 0
+            context = len(trajectory.prompt_ids) + step.memory_count + len(step.observation_ids)
+            if context == 0 and not sees_earlier_turn:
+                raise SchemaError("empty-context", f"steps[{i}].observation_ids",
+                                  "prompt, memory and observation are all empty: nothing to condition the action on")
+            if abs(step.reward) > self.max_abs_reward:
+                raise SchemaError("out-of-range", f"steps[{i}].reward",
+                                  f"|{step.reward}| is over trainer.max_abs_reward ({self.max_abs_reward})")
+            if step.behaviour_logprobs.min() < MIN_BEHAVIOUR_LOGPROB:
+                raise SchemaError("out-of-range", f"steps[{i}].behaviour_logprobs",
+                                  f"{float(step.behaviour_logprobs.min())} is below {MIN_BEHAVIOUR_LOGPROB}: no "
+                                  "sampler draws a token that unlikely")
+        if abs(trajectory.total_reward) > self.max_abs_reward:
+            raise SchemaError("out-of-range", "steps", f"total reward {trajectory.total_reward} is over "
+                                                       f"trainer.max_abs_reward ({self.max_abs_reward})")
+
+
+def _finite(value: float, field_name: str) -> None:
+    if not math.isfinite(value):
+        raise SchemaError("non-finite", field_name, f"{value} is not a finite number")
+
+
+def _all_finite(values: np.ndarray, field_name: str) -> None:
+    if not np.all(np.isfinite(values)):
+        raise SchemaError("non-finite", field_name, "holds NaN or infinity")

@@ -1,0 +1,212 @@
+"""A trajectory is checked against the trainer's model before it is buffered (issue 12, item 1).
+
+Unit tests of `TrajectoryValidator`, a fuzz test (whatever passes validation scores to a finite
+loss and gradient on the tiny model), and the findings end to end: a real trainer on the real
+broker stays alive, dead-letters each bad trajectory with its reason, trains the good ones, and a
+`--resume` never meets the bad ones again.
+"""
+
+import copy
+import json
+import math
+import subprocess
+from dataclasses import replace
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from sao.config import TrainerConfig
+from sao.schema import SchemaError, Trajectory, decode, encode, pack_array
+from sao.trainer.baselines import RewardBaseline
+from sao.trainer.batch import plan_batch, rank_loss
+from sao.trainer.validation import TrajectoryValidator
+from sao.transport.topics import ensure_topics
+from support.bad_trajectories import CORRUPTIONS, big_valid_trajectory
+from support.trainer_runs import (
+    dead_letters,
+    latest_weights_are_finite,
+    produce,
+    synthetic_trajectory,
+    trained_ids,
+    trainer_command,
+    write_config,
+)
+
+VOCAB = 49152  # the tiny model's (SmolLM2's tokenizer)
+
+
+@pytest.fixture(scope="module")
+def validator() -> TrajectoryValidator:
+    return TrajectoryValidator(vocab_size=VOCAB, memory_dim=384, max_abs_reward=1e4, max_bytes=16 << 20)
+
+
+def valid(index: int = 0) -> Trajectory:
+    return synthetic_trajectory(index, np.random.default_rng(index))
+
+
+def over_the_wire(trajectory: Trajectory) -> Trajectory:
+    return decode(encode(trajectory), Trajectory)
+
+
+@pytest.mark.parametrize("finding", list(CORRUPTIONS))
+def test_each_finding_decodes_but_is_refused_naming_its_field(validator, finding):
+    corrupt, reason, field = CORRUPTIONS[finding]
+    trajectory = over_the_wire(corrupt(valid()))  # the schema alone lets every one of them through
+    with pytest.raises(SchemaError) as refused:
+        validator.validate(trajectory, policy_version=3)
+    assert (refused.value.reason, refused.value.field) == (reason, field)
+
+
+def test_valid_trajectories_pass_at_the_edges(validator):
+    base = valid()
+    validator.validate(over_the_wire(base), policy_version=0)  # behaviour version = trainer version
+    edge = replace(base, prompt_ids=np.array([0, VOCAB - 1], np.int32), temperature=1e-3)
+    validator.validate(over_the_wire(edge), policy_version=0)
+    # Without prompt or observation, a later step still conditions on the earlier turn it sees in full.
+    two_turns = synthetic_trajectory(1, np.random.default_rng(5))
+    while len(two_turns.steps) < 2:
+        two_turns = replace(two_turns, steps=two_turns.steps * 2)
+    later = replace(two_turns, prompt_ids=np.zeros(0, np.int32), recent_window=1,
+                    steps=[two_turns.steps[0], replace(two_turns.steps[1], observation_ids=np.zeros(0, np.int32))])
+    validator.validate(over_the_wire(later), policy_version=0)
+    with pytest.raises(SchemaError, match="steps\\[1\\]"):
+        validator.validate(over_the_wire(replace(later, recent_window=0)), policy_version=0)
+
+
+def test_size_is_checked_before_decoding(validator):
+    validator.check_size(16 << 20)
+    with pytest.raises(SchemaError) as refused:
+        validator.check_size((16 << 20) + 1)
+    assert refused.value.reason == "too-large"
+
+
+def test_limits_come_from_the_model_the_trainer_built(tiny_config):
+    from sao.policy.weights import build_policy
+
+    validator = TrajectoryValidator.for_model(build_policy(tiny_config.policy, 384), 384, tiny_config.trainer)
+    assert (validator.vocab_size, validator.memory_dim) == (VOCAB, 384)
+    assert validator.max_abs_reward == tiny_config.trainer.max_abs_reward
+    assert validator.max_bytes == tiny_config.trainer.max_trajectory_bytes
+
+
+# --- fuzz: whatever passes validation can be scored --------------------------------------------
+
+_FLOATS = [math.nan, math.inf, -math.inf, 1e39, -1e39, 1e300, 3.4e38, 1e4, -1e4, 0.0, -0.0, 1e-30, -1.0, 1.0, 5.0,
+           -80.0, -81.0, 1e-3, 1e3]
+_INTS = [-(2**31), -5, -1, 0, 1, 3, VOCAB - 1, VOCAB, 10**6, 2**31 - 1]
+
+
+def _mutate(wire: dict, rng: np.random.Generator) -> bytes:
+    """Change 1-3 random fields of a trajectory's wire map to hostile values; the bytes."""
+    obj = copy.deepcopy(wire)
+    step = obj["steps"][int(rng.integers(len(obj["steps"])))]
+    for _ in range(int(rng.integers(1, 4))):
+        target = int(rng.integers(8))
+        if target == 0:
+            obj[str(rng.choice(["temperature", "top_p", "created_at"]))] = float(rng.choice(_FLOATS))
+        elif target == 1:
+            obj[str(rng.choice(["behaviour_version", "recent_window"]))] = int(rng.choice(_INTS + [2**40]))
+        elif target == 2:
+            step["reward"] = float(rng.choice(_FLOATS))
+        elif target == 3:  # token ids
+            ids = pack_array(rng.choice(_INTS, int(rng.integers(0, 4))), np.int32)
+            if rng.random() < 0.5:
+                obj["prompt_ids"] = ids
+            else:
+                step[str(rng.choice(["observation_ids", "action_ids"]))] = ids
+        elif target == 4:
+            count = len(np.frombuffer(step["action_ids"]["data"], np.int32))
+            step["behaviour_logprobs"] = pack_array(rng.choice(_FLOATS, count), np.float32)
+        else:  # memory: width, slot count, scales, and which slots the steps see
+            slots, width = int(rng.integers(0, 3)), int(rng.choice([0, 7, 384, 385]))
+            obj["memory"] = {"vectors": pack_array(rng.integers(-127, 128, (slots, width)), np.int8),
+                             "scales": pack_array(rng.choice(_FLOATS, slots), np.float32),
+                             "spans": pack_array(np.zeros((slots, 2)), np.int32),
+                             "reward_sums": pack_array(rng.choice(_FLOATS, slots), np.float32)}
+            for each in obj["steps"]:
+                each["memory_count"] = int(rng.integers(0, slots + 1))
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39 as float32, on purpose
+def test_whatever_passes_validation_scores_to_a_finite_loss_and_gradient(tiny_config, validator):
+    """Issue 12: of 2,000 malformed messages, 243 decoded and then crashed the scoring path."""
+    from sao.policy.weights import build_policy
+
+    class Engine:  # rank_loss needs only a callable module and its device
+        def __init__(self, module):
+            self.module, self.device = module, torch.device("cpu")
+
+        def __call__(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    policy = build_policy(tiny_config.policy, 384)
+    cfg = TrainerConfig(freshness_decay=0.9)  # freshness ** staleness crashed on a future behaviour version
+    rng = np.random.default_rng(12)
+    wire = msgpack.unpackb(encode(replace(valid(), recent_window=1)), raw=False)
+    partner = over_the_wire(valid(1))
+    outcomes = {"refused": 0, "scored": 0}
+    for _ in range(300):
+        try:
+            trajectory = decode(_mutate(wire, rng), Trajectory)
+            validator.validate(trajectory, policy_version=2)
+        except SchemaError:
+            outcomes["refused"] += 1
+            continue
+        plan = plan_batch([trajectory, partner], RewardBaseline(), cfg, policy_version=2)
+        loss, _ = rank_loss(Engine(policy), plan, [0, 1], 2, cfg, 384)
+        policy.zero_grad()
+        loss.backward()
+        assert torch.isfinite(loss), trajectory
+        assert all(torch.isfinite(p.grad).all() for p in policy.parameters() if p.grad is not None), trajectory
+        outcomes["scored"] += 1
+    assert outcomes["refused"] > 100 and outcomes["scored"] > 30, outcomes  # both sides were exercised
+
+
+# --- end to end: a real trainer on the real broker ---------------------------------------------
+
+@pytest.mark.slow
+def test_trainer_dead_letters_each_finding_trains_the_rest_and_resumes_past_them(
+        kafka_bootstrap, unique_topic_prefix, tmp_path):
+    prefix = unique_topic_prefix
+    ensure_topics(kafka_bootstrap, {f"{prefix}.traj": 1, f"{prefix}.policy": 1, f"{prefix}.dlq": 1})
+    rng = np.random.default_rng(0)
+    good = [synthetic_trajectory(i, rng) for i in range(9)]
+    bad, expected = [], {}
+    for i, (finding, (corrupt, reason, field)) in enumerate(CORRUPTIONS.items()):
+        trajectory = replace(corrupt(good[i % 6]), trajectory_id=f"bad-{i}#0", task_id=f"bad-{i}")
+        bad.append(trajectory)
+        expected[trajectory.task_id] = (reason, field, finding)
+    huge = replace(big_valid_trajectory(good[0], 50 << 20), trajectory_id="huge#0", task_id="huge")
+    expected["huge"] = ("too-large", "value", "a valid 50 MB message")
+    interleaved = [t for pair in zip(bad[:6], good[:6]) for t in pair] + bad[6:] + [huge]
+    produce(kafka_bootstrap, f"{prefix}.traj", interleaved)
+    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
+    write_config(config, prefix, checkpoint_every=100, freshness_decay=0.5)
+    first = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, expect=len(interleaved)),
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    letters = dead_letters(kafka_bootstrap, f"{prefix}.dlq")
+    assert set(letters) == set(expected)
+    for key, (reason, field, finding) in expected.items():
+        assert letters[key]["reason"] == reason, (finding, letters[key])
+        assert field in letters[key]["detail"], (finding, letters[key]["detail"])
+    assert letters["huge"]["value_bytes"] == len(encode(huge))  # the original bytes travel with the dead letter
+    assert sorted(trained_ids(run_dir)) == sorted(t.trajectory_id for t in good[:6])
+    status = json.loads((run_dir / "status" / "trainer.json").read_text())
+    assert status["dead_lettered"] == len(expected) and status["skipped_steps"] == {}
+    assert latest_weights_are_finite(run_dir)
+
+    # A resumed trainer starts past them: it trains the new trajectories and refuses nothing again.
+    produce(kafka_bootstrap, f"{prefix}.traj", good[6:])
+    second = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, "--resume", expect=len(interleaved) + 3),
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert set(dead_letters(kafka_bootstrap, f"{prefix}.dlq")) == set(expected)
+    assert sorted(trained_ids(run_dir)) == sorted(t.trajectory_id for t in good)
+    assert json.loads((run_dir / "status" / "trainer.json").read_text())["dead_lettered"] == 0
+    assert latest_weights_are_finite(run_dir)
