@@ -109,11 +109,15 @@ class Sampler:
             raise
         finally:
             self._write_status(finished=True)
-            self.tasks.close()
-            self.policy_follower.close()
-            self.producer.flush(10)
-            self.broker_watch.close()
+            self.close()
         return self.counters
+
+    def close(self) -> None:
+        """Leave the group, flush what is queued, stop the broker probe (its thread outlives us otherwise)."""
+        self.tasks.close()
+        self.policy_follower.close()
+        self.producer.flush(10)
+        self.broker_watch.close()
 
     def _in_flight(self, live: list[tuple[LiveEpisode, object]]) -> str:
         """What this sampler held: episodes whose task offsets are uncommitted, messages not acknowledged."""

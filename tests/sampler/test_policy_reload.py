@@ -36,8 +36,7 @@ def built_sampler(kafka_bootstrap, tiny_config):
     sampler = Sampler(config, kafka_bootstrap, "s-trust")
     version_0 = {name: tensor.clone() for name, tensor in sampler.policy.state_dict().items()}
     yield sampler, version_0
-    sampler.tasks.close()
-    sampler.policy_follower.close()
+    sampler.close()
 
 
 class Reload:

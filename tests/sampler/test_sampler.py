@@ -108,4 +108,4 @@ def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_
     sampler._follow_policy(reload_now=True)
     sampler._follow_policy(reload_now=True)  # the same refused announcement again
     assert sampler.policy_version == 1 and reads == [path.name, run_dir.weights(2).name]  # v1 once, v2 once
-    sampler.tasks.close()
+    sampler.close()

@@ -1,7 +1,9 @@
 """Synthetic trajectories and trainer runs for trainer tests (no sampler, no LM rollout needed)."""
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +89,17 @@ def latest_weights_are_finite(run_dir) -> bool:
 
     newest = sorted((run_dir / "policy").glob("policy-v*.safetensors"))[-1]
     return all(bool(torch.isfinite(tensor).all()) for tensor in load_file(newest).values())
+
+
+def wait_for_step(status: Path, step: int, proc: subprocess.Popen, timeout: float = 150) -> None:
+    """Wait until the trainer's progress file says it reached `step`; fail if it exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the trainer exited before it reached the step"
+        try:
+            if json.loads(status.read_text()).get("step", 0) >= step:
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the trainer did not reach step {step}")

@@ -12,7 +12,7 @@ import pytest
 
 from sao.schema import PolicyAnnouncement, decode
 from sao.transport.kafka import read_all
-from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, write_config
+from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, wait_for_step, write_config
 
 
 def effective_ledger(path: Path) -> list[str]:
@@ -25,19 +25,6 @@ def effective_ledger(path: Path) -> list[str]:
         else:
             steps[record["step"]] = record["trajectory_ids"]
     return [tid for s in sorted(steps) for tid in steps[s]]
-
-
-def wait_for_step(status: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, "trainer exited before it was killed"
-        try:
-            if json.loads(status.read_text()).get("step", 0) >= step:
-                return
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"trainer did not reach step {step}")
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ is refused. Each test kills a broker of its own, never the session's."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ from sao.transport.broker import EmbeddedBroker, free_port, start_detached, stop
 from sao.transport.health import BrokerLost, BrokerWatch
 from sao.transport.kafka import RenewingProducer, deliver_and_wait, make_consumer, read_all
 from sao.transport.topics import ensure_topics
-from support.trainer_runs import produce_trajectories, trainer_command, write_config
+from support.trainer_runs import produce_trajectories, trainer_command, wait_for_step, write_config
 
 
 @pytest.fixture
@@ -121,19 +120,6 @@ def test_a_sampler_gives_up_after_the_loss_timeout_naming_its_live_tasks(own_bro
     assert REGISTRY.get_sample_value("sao_transport_broker_up", {"bootstrap": bootstrap}) == 0
 
 
-def _wait_for_step(status: Path, step: int, proc: subprocess.Popen, timeout: float = 150) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, "the trainer exited before the broker was killed"
-        try:
-            if json.loads(status.read_text()).get("step", 0) >= step:
-                return
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the trainer did not reach step {step}")
-
-
 def _start_trainer(own_broker, prefix: str, tmp_path: Path, loss_timeout_s: float) -> tuple[subprocess.Popen, Path, Path]:
     """A trainer (batch 4, checkpoint every step) on 18 trajectories, waiting for more when they are trained."""
     produce_trajectories(own_broker.bootstrap_servers, prefix)
@@ -142,7 +128,7 @@ def _start_trainer(own_broker, prefix: str, tmp_path: Path, loss_timeout_s: floa
     command = trainer_command(config, own_broker.bootstrap_servers, run_dir, "--expect", "1000",
                               "--set", f"broker.loss_timeout_s={loss_timeout_s}")
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"))
-    _wait_for_step(run_dir / "status" / "trainer.json", 4, proc)  # 16 trained, 2 wait for a full batch
+    wait_for_step(run_dir / "status" / "trainer.json", 4, proc)  # 16 trained, 2 wait for a full batch
     return proc, config, run_dir
 
 
