@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Record-batch framing and headers on top of the payload.
 _FETCH_HEADROOM_BYTES = 1024 * 1024
+_READ_ALL_FETCH_WAIT_MS = 100  # see iter_all
 
 Headers = dict[str, str | bytes] | list[tuple[str, str | bytes]]
 
@@ -272,7 +273,9 @@ def read_all(
 def iter_all(bootstrap: str, topic: str, timeout: float = 5.0, quiet_period: float = 1.0) -> Iterator[Message]:
     """`read_all` one message at a time, for topics too large to hold in memory at once."""
     group_id = f"sao-read-all-{uuid.uuid4().hex[:12]}"  # assign() never joins it; nothing is committed
-    consumer = make_consumer(bootstrap, group_id)
+    # Reading a whole topic needs no low latency. At the pipeline's 20 ms, Tansu's s3 engine (which
+    # lists the bucket on each fetch) often returned nothing for 5-30 s, past any quiet period.
+    consumer = make_consumer(bootstrap, group_id, **{"fetch.wait.max.ms": _READ_ALL_FETCH_WAIT_MS})
     try:
         partitions = _partitions(consumer, topic, timeout)
         if partitions:
