@@ -1,7 +1,7 @@
 """Context compression on long text-labyrinth trajectories: bytes per stage, fidelity, throughput.
 
 One run, on the same recorded trajectories (the noisy scripted expert of sao.envs.textworld,
-run to 100 and to 1,000 steps on the same worlds):
+run to 100 and to 1,000 steps on the same worlds; --short-steps and --steps change both):
   1. bytes: each step's full context as token ids (naive), the conversation stored once, and
      sao's trajectory message; each step's context after each compression stage;
   2. fidelity: the return kept exactly in memory; a policy probe (predict the expert's next
@@ -10,6 +10,7 @@ run to 100 and to 1,000 steps on the same worlds):
   3. throughput: the compressor's steps/s against the bare encoder's sentences/s, same texts.
 
     python benchmarks/compression.py --json runs/bench/compression.json
+    python benchmarks/compression.py --episodes 3 --probe-train 2 --steps 60 --short-steps 20 ...   # a quick check
 
 See benchmarks/README.md (Compression) for what each figure means and the last measured run.
 """
@@ -55,7 +56,10 @@ _EXITS = re.compile(r"Exits: ([a-z, ]+)\.")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--episodes", type=int, default=6, help="1,000-step episodes recorded")
+    parser.add_argument("--episodes", type=int, default=6, help="long (--steps) episodes recorded")
+    parser.add_argument("--steps", type=int, default=1000, help="steps of the long episodes (the headline's)")
+    parser.add_argument("--short-steps", type=int, default=100, help="the same episodes stopped at this step")
+    parser.add_argument("--online-steps", type=int, default=200, help="steps the online throughput arm times")
     parser.add_argument("--probe-train", type=int, default=4, help="episodes each probe fold trains on (the rest test)")
     parser.add_argument("--probe-epochs", type=int, default=400, help="full-batch optimizer steps of each probe")
     parser.add_argument("--probe-seeds", type=int, default=2, help="probe initialisations per fold, averaged")
@@ -67,12 +71,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--temporal-weights", default=None, help="default: the weights shipped with sao")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not 0 < args.short_steps < args.steps:
+        parser.error(f"--short-steps {args.short_steps} must be between 1 and --steps {args.steps} (exclusive)")
+    return args
 
 
 # -- recording ----------------------------------------------------------------------------------
 def record(args: argparse.Namespace) -> tuple[list[Episode], list[Episode]]:
-    """Noisy-expert episodes that last the full 1,000 steps, and the same runs stopped at 100 steps.
+    """Noisy-expert episodes that last the full --steps (1,000), and the same runs stopped at --short-steps (100).
 
     Worlds 0, 1, 2, ... of env seed 7 are tried in order; one the agent solves in fewer than
     1,000 steps is skipped. The world and the agent do not depend on the step budget, so a
@@ -85,12 +92,12 @@ def record(args: argparse.Namespace) -> tuple[list[Episode], list[Episode]]:
     env, long, short, index = TextWorldEnv(), [], [], 0
     while len(long) < args.episodes:
         if index >= 20 * args.episodes:
-            raise SystemExit("too few 1,000-step episodes; use a larger --size or --noise")
-        task = TextWorldEnv.make_tasks(config(1000), 1, index)[0]
+            raise SystemExit(f"too few {args.steps}-step episodes; use a larger --size or --noise")
+        task = TextWorldEnv.make_tasks(config(args.steps), 1, index)[0]
         episode = record_episode(env, task.task_id, task.spec, ExpertAgent(args.noise, seed=index))
-        if len(episode) == 1000:
+        if len(episode) == args.steps:
             long.append(episode)
-            task = TextWorldEnv.make_tasks(config(100), 1, index)[0]
+            task = TextWorldEnv.make_tasks(config(args.short_steps), 1, index)[0]
             short.append(record_episode(env, task.task_id, task.spec, ExpertAgent(args.noise, seed=index)))
         index += 1
     return long, short
@@ -267,7 +274,7 @@ def fidelity_figures(episodes, step_embeddings, observation_embeddings, trajecto
               for h in HEADS}
     losses = {h: (arms["full"][h] - arms["sao"][h]) / arms["full"][h] for h in HEADS}
     retained = {h: (arms["sao"][h] - arms["none"][h]) / (arms["full"][h] - arms["none"][h])
-                if arms["full"][h] != arms["none"][h] else float("nan") for h in HEADS}
+                if arms["full"][h] != arms["none"][h] else None for h in HEADS}  # None: memory made no difference
     return {
         "returns_exact": all(returns_exact),
         "probe": {"episodes": len(samples), "folds": len(folds), "train_episodes": len(samples) - test_count,
@@ -293,7 +300,8 @@ def print_fidelity(fidelity: dict) -> None:
         table.add_row(label, f"{probe['arms'][arm]['command']:.3f}", f"{probe['arms'][arm]['carrying']:.3f}")
     table.add_row("relative loss, sao vs full history (± std over runs)",
                   *(f"{fidelity['relative_loss'][h]:+.2%} ± {fidelity['relative_loss_std'][h]:.2%}" for h in HEADS))
-    table.add_row("share of memory's benefit sao keeps", *(f"{fidelity['memory_benefit_retained'][h]:.2f}"
+    retained = fidelity["memory_benefit_retained"]
+    table.add_row("share of memory's benefit sao keeps", *("n/a" if retained[h] is None else f"{retained[h]:.2f}"
                                                           for h in HEADS))
     console.print(table)
     console.print(f"returns exact in every trajectory: {fidelity['returns_exact']}")
@@ -383,7 +391,8 @@ def main() -> None:
     encoder = load_encoder(args.encoder)
     temporal_filter = load_temporal_filter(args.temporal_weights)
     long_episodes, short_episodes = record(args)
-    console.print(f"recorded {len(long_episodes)} x 1,000 and {len(short_episodes)} x 100-step episodes "
+    console.print(f"recorded {len(long_episodes)} x {args.steps:,} and {len(short_episodes)} x {args.short_steps:,}"
+                  "-step episodes "
                   f"({time.perf_counter() - started:.0f} s)")
 
     step_embeddings = [encoder.encode(e.texts()) for e in long_episodes]
@@ -394,20 +403,21 @@ def main() -> None:
     # The 100-step runs repeat the 1,000-step ones' first 100 steps (same worlds, same agent seeds).
     short_trajectories = [replay_episode(e, chat, encoder, temporal_filter, args.recent_window)[0]
                           for e in short_episodes]
-    sizes = {"100": size_figures(short_trajectories), "1000": size_figures(long_trajectories)}
+    sizes = {str(args.short_steps): size_figures(short_trajectories), str(args.steps): size_figures(long_trajectories)}
     print_sizes(sizes)
 
     fidelity = fidelity_figures(long_episodes, step_embeddings, observation_embeddings, long_trajectories,
                                 args.recent_window, args.probe_train, args.seed, args.probe_epochs, args.probe_seeds)
     print_fidelity(fidelity)
-    throughput = throughput_figures(encoder, temporal_filter, long_episodes[0], online_steps=200)
+    throughput = throughput_figures(encoder, temporal_filter, long_episodes[0], online_steps=args.online_steps)
     print_throughput(throughput)
 
-    long = sizes["1000"]
+    long = sizes[str(args.steps)]
     keep_ratio = float(np.mean([len(t.memory.vectors) / max(1, len(t.steps) - 1) for t in long_trajectories]))
     result = {
         "benchmark": "compression",
-        "headline": {"metric": "context bytes of a 1,000-step trajectory, naive per-step contexts / sao trajectory",
+        "headline": {"metric": f"context bytes of a {args.steps:,}-step trajectory, naive per-step contexts / sao "
+                               "trajectory",
                      "value": long["sao"], "baseline": long["naive"], "ratio": long["ratio_sao"], "unit": "bytes"},
         "fidelity_loss": fidelity["worst_relative_loss"],
         "stored_once_ratio": long["ratio_stored_once"],
@@ -418,14 +428,15 @@ def main() -> None:
         "fidelity": fidelity,
         "throughput": throughput,
         "setup": {"env": f"textworld size={args.size} gems={args.gems} locked_doors=2, noisy expert noise={args.noise}",
-                  "episodes": args.episodes, "encoder": encoder.name,
+                  "episodes": args.episodes, "steps": args.steps, "short_steps": args.short_steps,
+                  "encoder": encoder.name,
                   "temporal_filter": temporal_filter.meta.get("command", args.temporal_weights),
                   "threshold": temporal_filter.threshold, "recent_window": args.recent_window,
                   "tokenizer": "SmolLM2-135M-Instruct", "threads": args.threads, "seed": args.seed,
                   "machine": platform.platform(), "cpu_count": os.cpu_count(),
                   "wall_s": time.perf_counter() - started},
     }
-    console.print(f"headline: {result['headline']['ratio']:.1f}x smaller than naive at 1,000 steps "
+    console.print(f"headline: {result['headline']['ratio']:.1f}x smaller than naive at {args.steps:,} steps "
                   f"(stored once alone: {result['stored_once_ratio']:.1f}x); fidelity loss (worse probe) "
                   f"{result['fidelity_loss']:+.2%}; wall {result['setup']['wall_s']:.0f} s")
     if args.json:

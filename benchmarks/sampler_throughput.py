@@ -1,6 +1,7 @@
 """Sampler rollout throughput: side-by-side episodes vs one at a time, and 1 vs 2 sampler processes.
 
     python benchmarks/sampler_throughput.py [--tasks 16] [--batch 4] [--model smollm2-135m-instruct] [--json PATH]
+                                            [--set section.knob=value ...]
 
 Part 1, in this process: the same tasks rolled out one at a time (rollout_batch 1), in lockstep
 batches of --batch (each batch runs to its end), and with continuous batching (--batch slots,
@@ -26,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _roller(model: str, seed: int):
+def _roller(model: str, seed: int, overrides: list[str]):
     import torch
 
     from sao.compression.semantic import load_encoder
@@ -36,7 +37,7 @@ def _roller(model: str, seed: int):
     from sao.sampler.rollout import Roller
 
     torch.set_num_threads(1)
-    config = load_config(overrides=[f'policy.model="{model}"'], environ={})
+    config = load_config(overrides=[f'policy.model="{model}"', *overrides], environ={})
     encoder = load_encoder(config.compression.encoder)
     policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
     return Roller(config, policy, encoder, load_temporal_filter(), f"bench-{seed}", seed=seed), config
@@ -65,19 +66,20 @@ def measure(roller, tasks, batch: int, mode=continuous) -> dict:
             "mean_reward": sum(t.total_reward for t in trajectories) / len(trajectories)}
 
 
-def _sampler_process(index: int, model: str, num_tasks: int, batch: int, barrier, results) -> None:
+def _sampler_process(index: int, model: str, num_tasks: int, batch: int, overrides: list[str], barrier,
+                     results) -> None:
     from sao.envs.registry import make_tasks
 
-    roller, config = _roller(model, seed=index)
+    roller, config = _roller(model, seed=index, overrides=overrides)
     tasks = make_tasks(config.env, num_tasks, start_index=index * num_tasks)  # each process its own tasks
     barrier.wait()
     results.put({"process": index, **measure(roller, tasks, batch)})
 
 
-def processes(count: int, model: str, num_tasks: int, batch: int) -> dict:
+def processes(count: int, model: str, num_tasks: int, batch: int, overrides: list[str]) -> dict:
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(count), context.Queue()
-    workers = [context.Process(target=_sampler_process, args=(i, model, num_tasks, batch, barrier, results))
+    workers = [context.Process(target=_sampler_process, args=(i, model, num_tasks, batch, overrides, barrier, results))
                for i in range(count)]
     for worker in workers:
         worker.start()
@@ -97,6 +99,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KNOB=VALUE",
+                        help="config override for every sampler, e.g. policy.max_new_tokens=8 (repeatable)")
     args = parser.parse_args()
 
     from rich.console import Console
@@ -105,11 +109,11 @@ def main() -> None:
     from sao.envs.registry import make_tasks
 
     console = Console()
-    roller, config = _roller(args.model, seed=0)
+    roller, config = _roller(args.model, seed=0, overrides=args.overrides)
     tasks = make_tasks(config.env, args.tasks)
     in_process = [measure(roller, tasks, 1), measure(roller, tasks, args.batch, lockstep),
                   measure(roller, tasks, args.batch)]
-    scaling = [processes(count, args.model, args.tasks, args.batch) for count in (1, 2)]
+    scaling = [processes(count, args.model, args.tasks, args.batch, args.overrides) for count in (1, 2)]
 
     table = Table(title=f"one sampler, {args.model}, {args.tasks} tasks, 1 torch thread")
     for column in ("rollout_batch", "batching", "trajectories/s", "tokens/s", "seconds", "mean reward"):
@@ -143,6 +147,7 @@ def main() -> None:
     console.print(f"2 samplers / 1 sampler: {scale:.2f}x trajectories/s in total, "
                   f"{per_process:.2f}x per process ({os.cpu_count()} cores)")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "headline": {"metric": "sampler trajectories per second", "unit": "trajectories/s",
                          "value": batched["trajectories_per_s"], "baseline": baseline["trajectories_per_s"],
@@ -150,7 +155,8 @@ def main() -> None:
             "continuous_vs_lockstep": refill,
             "scaling": {"metric": "trajectories per second, 2 sampler processes vs 1", "ratio": scale,
                         "per_process_ratio": per_process, "runs": scaling},
-            "results": in_process, "model": args.model, "cores": os.cpu_count()}, indent=2))
+            "results": in_process, "model": args.model, "overrides": args.overrides, "cores": os.cpu_count()},
+            indent=2))
 
 
 if __name__ == "__main__":

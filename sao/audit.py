@@ -95,18 +95,13 @@ class TopicScan:
 def scan_topics(config: SaoConfig, bootstrap: str, timeout: float, quiet_period: float) -> TopicScan:
     """Read the tasks, trajectories and dead-letter topics from the beginning."""
     topics, scan = config.topics, TopicScan()
-    for msg in iter_all(bootstrap, topics.tasks, timeout, quiet_period):
-        tid = _trajectory_id(msg.value(), Task)
-        if tid is None:
-            scan.undecodable.setdefault(topics.tasks, set()).add((msg.partition(), msg.offset()))
-        else:
-            scan.fed[tid] += 1
-    for msg in iter_all(bootstrap, topics.trajectories, timeout, quiet_period):
-        tid = _trajectory_id(msg.value(), Trajectory)
-        if tid is None:
-            scan.undecodable.setdefault(topics.trajectories, set()).add((msg.partition(), msg.offset()))
-        else:
-            scan.produced[tid] += 1
+    for topic, kind, counts in ((topics.tasks, Task, scan.fed), (topics.trajectories, Trajectory, scan.produced)):
+        for msg in iter_all(bootstrap, topic, timeout, quiet_period):
+            tid = _trajectory_id(msg.value(), kind)
+            if tid is None:
+                scan.undecodable.setdefault(topic, set()).add((msg.partition(), msg.offset()))
+            else:
+                counts[tid] += 1
     kinds = {topics.tasks: Task, topics.trajectories: Trajectory}
     for msg in iter_all(bootstrap, topics.dlq, timeout, quiet_period):
         letter = describe_dlq_message(msg)

@@ -1,4 +1,4 @@
-"""The `sao` command line: run, broker, topics, feed, sampler, trainer, inspect, audit, config.
+"""The `sao` command line: run, broker, topics, feed, sampler, trainer, inspect, audit, config, bench.
 
 Every flag maps onto one field of the typed config (`sao/config.py`); `--set section.knob=value`
 reaches any other field. Flags win over `--set`, which wins over env vars and the TOML file.
@@ -71,6 +71,17 @@ def _literal(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _pin(cpus: list[int] | None) -> None:
+    """Pin this process to `cpus` (validated to exist) before torch sizes its thread pools.
+
+    The mask is per thread and inherited by threads created later; imports have already started
+    a few, so every thread that exists now is pinned too.
+    """
+    if cpus is not None:
+        for thread_id in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread_id), cpus)
+
+
 def _serve_metrics(config: SaoConfig, port: int, role: str) -> None:
     from sao.observability import start_metrics_server
 
@@ -135,6 +146,7 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     """Consume tasks, roll out one trajectory each, compress, produce; reload new policies."""
     _setup_logging()
     cfg = _config(config, set_, **{"metrics.sampler_port": metrics_port})
+    _pin(cfg.sampler.cpu_affinity)
     _serve_metrics(cfg, cfg.metrics.sampler_port, "sampler")
     from sao.run_dir import RunDir
     from sao.sampler.loop import Sampler
@@ -159,6 +171,7 @@ def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     """Consume trajectories and train the policy with DeepSpeed ZeRO-3; publish versions."""
     _setup_logging()
     cfg = _config(config, set_, **{"metrics.trainer_port": metrics_port})
+    _pin(cfg.trainer.cpu_affinity)
     # Rank 0 consumes, and records the all-reduced step figures: it alone speaks for the trainer.
     if int(os.environ.get("RANK", "0")) == 0:
         _serve_metrics(cfg, cfg.metrics.trainer_port, "trainer")
@@ -303,11 +316,14 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
     try:
         if baseline is None:
             result = evaluate(cfg, run_dir, version, num_tasks, greedy)
-            keys = ("tasks", "first_try_success", "first_try_stderr", "reward_mean", "env_failures", "seconds")
+            keys = ("tasks", "first_try_success", "first_try_stderr", "second_try_success", "second_try_stderr",
+                    "second_try_n", "reward_mean", "env_failures", "seconds")
         else:
             result = compare(cfg, run_dir, version, baseline, cap=num_tasks)
             keys = ("heldout_n", "heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr",
-                    "heldout_reward_base", "heldout_reward_final", "base_cached", "base_seconds", "final_seconds")
+                    "heldout_second_try_base", "heldout_second_try_base_n", "heldout_second_try_final",
+                    "heldout_second_try_n", "heldout_reward_base", "heldout_reward_final", "base_cached",
+                    "base_seconds", "final_seconds")
     except (FileNotFoundError, ValueError) as err:
         console.print(f"[red]{err}[/]")
         raise typer.Exit(2) from err
@@ -317,6 +333,49 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
         value = result[key]
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     Console().print(table)
+
+
+# The benchmarks live beside the package in the repository (an editable install); a wheel has none.
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _benchmarks() -> dict[str, str]:
+    """Name -> first docstring line of every benchmarks/NAME.py, read without importing it (imports are slow)."""
+    import ast
+
+    found = {}
+    for path in sorted(BENCHMARKS_DIR.glob("*.py")):
+        if not path.name.startswith("_"):
+            docstring = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+            found[path.stem] = docstring.strip().splitlines()[0] if docstring.strip() else ""
+    return found
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "allow_interspersed_args": False})  # everything after NAME is the benchmark's
+def bench(ctx: typer.Context,
+          name: Annotated[str | None, typer.Argument(help="Benchmark to run (benchmarks/NAME.py); none: list them.")]
+          = None) -> None:
+    """Run benchmarks/NAME.py with this interpreter, passing on every argument after NAME (try NAME --help)."""
+    import subprocess
+
+    if not BENCHMARKS_DIR.is_dir():
+        console.print(f"[red]no benchmarks folder at {BENCHMARKS_DIR}:[/] the benchmarks ship with the repository, "
+                      "not the wheel; install sao from a clone (pip install -e .) to run them")
+        raise typer.Exit(2)
+    available = _benchmarks()
+    if name is None or name not in available:
+        if name is not None:
+            console.print(f"[red]unknown benchmark {name!r}[/] (no {BENCHMARKS_DIR / (name + '.py')})")
+        table = Table(title=f"benchmarks in {BENCHMARKS_DIR}: sao bench NAME [ARGS...]")
+        table.add_column("NAME")
+        table.add_column("measures")
+        for benchmark, summary in available.items():
+            table.add_row(benchmark, summary)
+        Console().print(table)
+        raise typer.Exit(0 if name is None else 2)
+    completed = subprocess.run([sys.executable, str(BENCHMARKS_DIR / f"{name}.py"), *ctx.args], check=False)
+    raise typer.Exit(completed.returncode)
 
 
 @config_app.command("show")

@@ -12,11 +12,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def available_cpu_ids(ids: list[int] | None) -> list[int] | None:
+    """A cpu_affinity value: None, or distinct CPU ids this process may run on (else os.sched_setaffinity fails)."""
+    if ids is None:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if not ids:
+        raise ValueError("an empty CPU list would leave the process nowhere to run; unset it instead")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"CPU ids {ids} repeat one")
+    missing = sorted(set(ids) - set(allowed))
+    if missing:
+        raise ValueError(f"CPU(s) {missing} do not exist or are not available here; available: {allowed}")
+    return ids
 
 
 class BrokerConfig(Section):
@@ -104,6 +119,11 @@ class PolicyConfig(Section):
         None, description="Stop strings: an action ends with the token that completes one of them (it is kept); "
                           "unset = the env's own (usually none). End-of-turn tokens always stop.")
     seed: int = Field(0, description="Seed of the memory projector's initialisation (identical in samplers and trainer).")
+    projector: str = Field(
+        "auto", min_length=1,
+        description="Memory projector at start: `auto` = the aligned weights shipped for this model + encoder pair "
+                    "(`sao compression align`) if any, else zero; `zero` = zero init (memory adds nothing until "
+                    "trained); or a projector .safetensors path, refused unless its sidecar names this model and encoder.")
     cache_dir: str = Field("~/.cache/sao/models", description="Where converted models are cached.")
 
 
@@ -115,13 +135,23 @@ class CompressionConfig(Section):
         None, ge=0, le=2,
         description="Keep a step whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
     recent_window: int = Field(
-        0, ge=0, description="Latest finished steps given in full text rather than as memory (0: every earlier "
-                             "step reaches the policy only as compressed memory).")
+        1, ge=0, description="Latest finished steps given in full text rather than as memory; only older steps "
+                             "become memory. At >= 1 a retry sees its own last answer and the feedback as a "
+                             "well-formed chat (user / assistant / user); 0 leaves every earlier step to memory "
+                             "alone, and the chat text then shows two user turns in a row.")
 
 
 class SamplerConfig(Section):
     num_samplers: int = Field(2, ge=1, description="Sampler processes `sao run` starts.")
     torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
+    cpu_affinity: list[int] | None = Field(
+        None, description="CPU ids each sampler process is pinned to (os.sched_setaffinity at start, before torch "
+                          "sets its threads); unset = wherever the OS schedules it. E.g. [0] with trainer.cpu_affinity "
+                          "= [1]: samplers and trainer on separate cores, the CPU stand-in for separate pools.")
+    version_wait_s: float = Field(
+        300.0, gt=0, description="run.mode = sync: how long a sampler waits for the policy version a task asks for "
+                                 "before it exits with an error naming the version (it never samples that task with "
+                                 "an older one).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
                             "CPU in fp32 (bf16 matmuls are ~20x slower on CPU). Published fp32 weights are cast on load.")
@@ -138,6 +168,9 @@ class SamplerConfig(Section):
     max_version_jump: int = Field(
         1000, ge=1, description="An announced version more than this above the newest one read so far is refused "
                                 "as implausible (as is a negative one, or one above 2^62).")
+
+
+    _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
 
 
 class TrainerConfig(Section):
@@ -166,9 +199,15 @@ class TrainerConfig(Section):
     dual_clip: float | None = Field(3.0, gt=1, description="ppo: for A < 0 the loss is bounded by dual_clip * |A|; unset = off.")
     mask_low: float = Field(0.5, gt=0, description="masked: tokens with rho below this are dropped.")
     mask_high: float = Field(2.0, gt=1, description="masked: tokens with rho above this are dropped.")
-    baseline_key: Literal["env", "task_id"] = Field(
-        "env", description="Running-mean reward baseline per env (task family) or per task id.")
-    baseline_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum of the reward baseline.")
+    baseline_key: Literal["env", "task_id", "prompt", "leave_one_out"] = Field(
+        "env", description="What a sao advantage subtracts from the reward. env: a running mean per env (one value per "
+                           "batch, so with whiten_advantages it changes nothing). task_id: per task id, else env (built-in "
+                           "envs never repeat an id). prompt: per prompt token ids (a recurring question has its own "
+                           "history), else env. leave_one_out: the mean reward of the batch's other trajectories "
+                           "(equal to no baseline when whitened). Costs: docs/design.md.")
+    baseline_momentum: float = Field(
+        0.9, ge=0, lt=1, description="EMA momentum of the running-mean baselines; a key's first 1/(1-momentum) "
+                                     "rewards are averaged plainly, so one early reward does not dominate.")
     whiten_advantages: bool = Field(True, description="Normalise advantages over the batch (mean 0, std 1).")
     value_head: bool = Field(
         False, description="Learn V(context) with a linear head on the LM's last hidden state; each step's advantage "
@@ -191,12 +230,41 @@ class TrainerConfig(Section):
     eval_every: int = Field(0, ge=0, description="Score every Nth published version on held-out tasks in a "
                                                  "background `sao eval` process (results in RUN_DIR/eval/); 0 = off.")
     eval_tasks: int = Field(32, ge=1, description="Held-out tasks per background evaluation.")
-    torch_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
+    fused_adamw: bool = Field(
+        True, description="torch AdamW's fused kernel: one pass over the weights per step instead of several (on CPU, "
+                          "1 thread, 135M parameters: 0.14 s vs 1.05 s with foreach; the same update).")
+    length_buckets: int = Field(
+        2, ge=1, description="At most this many forward passes per micro-batch: rows (steps) are sorted by length and "
+                             "split where that cuts the right-padding most (same loss and gradient, fewer positions "
+                             "computed); 1 = one padded pass. A split that saves under 5% of the positions is not made.")
+    torch_threads: int | Literal["auto"] = Field(
+        1, description="torch threads of the trainer process; auto = the CPUs in the process's affinity mask "
+                       "(after trainer.cpu_affinity is applied).")
+    cpu_affinity: list[int] | None = Field(
+        None, description="CPU ids the trainer process is pinned to (os.sched_setaffinity at start, before torch sets "
+                          "its threads); unset = wherever the OS schedules it. See sampler.cpu_affinity.")
+    offload_optimizer: bool = Field(
+        False, description="ZeRO-3 optimizer offload: keep the fp32 master weights and AdamW state in CPU memory and run "
+                           "the optimizer step there (DeepSpeed offload_optimizer device cpu). Frees accelerator "
+                           "memory for a slower step; on a CPU-only machine it only moves that work to DeepSpeed's "
+                           "offload path. See benchmarks/zero3_memory.py.")
     deepspeed_config: str | None = Field(
         None, description="A DeepSpeed JSON config file, merged over sao's derived config (ZeRO-3, clipping, batch).")
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="Inline DeepSpeed settings, merged last (over deepspeed_config).")
 
+
+    _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
+
+    @model_validator(mode="after")
+    def _threads_positive(self) -> TrainerConfig:
+        if self.torch_threads != "auto" and self.torch_threads < 1:
+            raise ValueError(f"trainer.torch_threads must be >= 1 or 'auto', not {self.torch_threads}")
+        return self
+
+    def threads(self) -> int:
+        """torch threads to set: `torch_threads`, with auto = len(os.sched_getaffinity(0)) at call time."""
+        return len(os.sched_getaffinity(0)) if self.torch_threads == "auto" else self.torch_threads
 
     @model_validator(mode="after")
     def _groups_fill_batches(self) -> TrainerConfig:
@@ -210,8 +278,15 @@ class RunConfig(Section):
     num_tasks: int = Field(96, ge=1, description="Tasks the feeder sends (grpo: each group_size times); the run ends "
                                                  "when all their trajectories are trained on.")
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async (SAO): samplers run ahead of the trainer, up to max_tasks_in_flight. sync: the "
+                             "feeder releases one trainer batch, stamped with the newest published version; samplers "
+                             "roll it out with that version (waiting for it if need be) and the next batch is released "
+                             "only once the trainer has trained on it and published: staleness 0, no overlap. The "
+                             "baseline of benchmarks/async_vs_sync.py.")
     max_tasks_in_flight: int | None = Field(
-        None, ge=1, description="Backpressure: tasks fed but not yet trained on, at most; unset = 2 x trainer.batch_size.")
+        None, ge=1, description="Backpressure: tasks fed but not yet trained on, at most; unset = 2 x trainer.batch_size. "
+                                "run.mode = sync ignores it: one batch at a time.")
     timeout_s: float = Field(1500, gt=0, description="Abort the run after this many seconds (the training part; "
                                                      "the held-out evaluation after it is not counted).")
     heldout_eval: bool = Field(
@@ -249,6 +324,20 @@ class SaoConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
     metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _sync_mode_fits(self) -> SaoConfig:
+        if self.run.mode != "sync":
+            return self
+        if self.trainer.sync_every != 1:
+            raise ValueError(f"run.mode = 'sync' samples each batch with the newest weights, so trainer.sync_every "
+                             f"must be 1 (got {self.trainer.sync_every})")
+        # The feeder releases trainer.batch_size trajectories per step; another step size would deadlock.
+        ds_batch = self.trainer.deepspeed.get("train_batch_size", self.trainer.batch_size)
+        if ds_batch != self.trainer.batch_size:
+            raise ValueError(f"run.mode = 'sync' releases trainer.batch_size = {self.trainer.batch_size} trajectories "
+                             f"per step: set it, not trainer.deepspeed.train_batch_size ({ds_batch})")
+        return self
 
 
 class ConfigError(ValueError):

@@ -2,11 +2,13 @@
 
 `sao feed` sends a fixed number of tasks at once; `sao run` tops up in waves so samplers never
 run more than `in_flight_cap` trajectories ahead of the trainer, which bounds staleness instead
-of producing work that goes stale.
+of producing work that goes stale. With `run.mode = "sync"` it releases one trainer batch at a
+time instead, each stamped with the version it must be sampled with (the synchronous baseline).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from sao.config import SaoConfig
@@ -35,8 +37,10 @@ def in_flight_cap(config: SaoConfig) -> int:
     return max(config.run.max_tasks_in_flight or default, attempts_per_task(config))
 
 
-def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int = 0, producer=None) -> int:
-    """Produce tasks [start_index, start_index + count), each `attempts_per_task` times (acks=all).
+def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int = 0, producer=None,
+               policy_version: int = 0) -> int:
+    """Produce tasks [start_index, start_index + count), each `attempts_per_task` times (acks=all),
+    to be sampled with at least `policy_version`.
 
     Returns how many task messages (= trajectories to expect) were acknowledged.
     """
@@ -44,7 +48,8 @@ def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int =
     sent = 0
     for task in make_tasks(config.env, count, start_index):
         for attempt in range(attempts_per_task(config)):
-            message = replace(task, attempt=attempt)  # attempt makes the trajectory_id distinct
+            # attempt makes the trajectory_id distinct
+            message = replace(task, attempt=attempt, policy_version=policy_version)
             producer.produce(config.topics.tasks, value=encode(message), key=task.task_id)
             producer.poll(0)
             sent += 1
@@ -64,12 +69,37 @@ class Feeder:
         self.cap = in_flight_cap(config)
         self.producer = make_producer(bootstrap)
         self.fed = 0
+        self.sync = config.run.mode == "sync"
+        self.releases: list[dict] = []  # sync: each batch's release time, size and version, for the benchmark
 
-    def top_up(self, handled: int) -> int:
+    def top_up(self, handled: int, policy_version: int = 0) -> int:
         """Feed as many whole tasks as keep at most `cap` trajectories in flight, given how many
-        the trainer has `handled` (trained or dead-lettered); returns the messages sent."""
+        the trainer has `handled` (trained or dead-lettered); returns the messages sent.
+
+        sync: `policy_version` is the trainer's newest published version, read together with `handled`.
+        """
+        if self.sync:
+            return self._release_batch(handled, policy_version)
         wave = min(self.total - self.fed, self.cap - (self.fed - handled)) // self.attempts
         sent = feed_tasks(self.config, self.bootstrap, wave, self.fed // self.attempts, self.producer) if wave > 0 else 0
         self.fed += sent
+        record_feed(sent, self.fed - handled)
+        return sent
+
+    def _release_batch(self, handled: int, policy_version: int) -> int:
+        """sync: the next trainer batch, only once all fed so far is handled.
+
+        The trainer writes its progress file after the step's publish, so a file that counts the
+        whole batch as handled also names the version that step published: the new batch is
+        stamped with it, and samplers wait for that version before they start a task of it.
+        """
+        if self.fed > handled or self.fed >= self.total:
+            record_feed(0, self.fed - handled)
+            return 0
+        tasks = min(self.total - self.fed, self.config.trainer.batch_size) // self.attempts
+        released_at = time.time()
+        sent = feed_tasks(self.config, self.bootstrap, tasks, self.fed // self.attempts, self.producer, policy_version)
+        self.fed += sent
+        self.releases.append({"released_at": released_at, "trajectories": sent, "policy_version": policy_version})
         record_feed(sent, self.fed - handled)
         return sent

@@ -78,6 +78,10 @@ def _throughput(steps: list[StepRecord]) -> tuple[list[float], list[float], list
 # --- summary ---------------------------------------------------------------------------------
 
 HELDOUT_KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n")
+# Held-out second-try success: right at the second attempt, among the tasks whose first attempt
+# failed; each version has its own n (its own first-try failures), so the two are not paired.
+SECOND_TRY_KEYS = ("heldout_second_try_base", "heldout_second_try_base_stderr", "heldout_second_try_base_n",
+                   "heldout_second_try_final", "heldout_second_try_final_stderr", "heldout_second_try_n")
 
 
 def reward_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
@@ -95,13 +99,74 @@ def reward_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
             for version, rewards in sorted(groups.items())]
 
 
+def attempts_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
+    """First-attempt success, and second-attempt success among the trajectories whose first attempt
+    failed, of the trained trajectories of each behaviour version, each with n and s.e.
+
+    Grouped like `reward_by_version`. Steps recorded before the trainer kept attempts are left out.
+    """
+    groups: dict[int, tuple[list[float], list[float]]] = {}
+    for record in steps:
+        if len(record.first_attempt_success) != record.batch_size:
+            continue
+        for version, first, second in zip(record.behaviour_versions, record.first_attempt_success,
+                                          record.second_attempt_success):
+            firsts, seconds = groups.setdefault(int(version), ([], []))
+            firsts.append(float(first))
+            if second is not None:
+                seconds.append(float(second))
+    return [{"version": version, "first_n": len(firsts), "first_success": mean(firsts), "first_stderr": stderr(firsts),
+             "second_n": len(seconds), "second_success": mean(seconds), "second_stderr": stderr(seconds)}
+            for version, (firsts, seconds) in sorted(groups.items())]
+
+
 def _heldout_figures(layout: RunDir) -> dict[str, Any]:
     """The paired held-out comparison that ends `sao run` (None each when it did not run)."""
     try:
         result = json.loads(layout.heldout.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         result = {}
-    return {key: result.get(key) for key in HELDOUT_KEYS}
+    return {key: result.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS}
+
+
+ROLES = ("trainer", "samplers", "broker", "launcher")
+
+
+def _percentile(values: list[Any], q: float) -> float | None:
+    """The q-th percentile (0..100) of the finite values, interpolated linearly; None when there are none."""
+    kept = sorted(finite(values))
+    if not kept:
+        return None
+    position = (len(kept) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(kept) - 1)
+    return kept[low] + (kept[high] - kept[low]) * (position - low)
+
+
+def _ratio(part: Any, whole: Any) -> float | None:
+    return part / whole if isinstance(part, (int, float)) and isinstance(whole, (int, float)) and whole > 0 else None
+
+
+def cpu_accounting(layout: RunDir, trainer: dict[str, Any], samplers: dict[str, dict], duration_s: float
+                   ) -> dict[str, Any]:
+    """Where the cores went: CPU seconds of each role / the run's wall seconds, and the idle ratios.
+
+    Each process wrote its own CPU seconds (user + system, all threads) in its progress file;
+    the launcher wrote its own and the embedded broker's (None with an external broker).
+    Utilisation is their total over the cores the launcher may run on.
+    """
+    launcher = read_status(layout.status("launcher"))
+    sampler_cpu = [s["cpu_s"] for s in samplers.values() if "cpu_s" in s]
+    seconds = {"trainer": trainer.get("cpu_s"), "samplers": sum(sampler_cpu) if sampler_cpu else None,
+               "broker": launcher.get("broker_cpu_s"), "launcher": launcher.get("cpu_s")}
+    busy: dict[str, float | None] = {role: _ratio(seconds[role], duration_s) for role in ROLES}
+    known = [value for value in busy.values() if value is not None]
+    busy["total"] = sum(known) if known else None
+    cores = launcher.get("cores")
+    sampler_idle = [_ratio(s.get("idle_s"), s.get("run_s")) for s in samplers.values()]
+    return {"cpu_cores_busy": busy, "cpu_utilisation": _ratio(busy["total"], cores), "cores": cores,
+            "trainer_idle_ratio": _ratio(trainer.get("idle_s"), trainer.get("run_s")),
+            "sampler_idle_ratio": mean([r for r in sampler_idle if r is not None])}
 
 
 def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
@@ -122,6 +187,7 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "reward_first_version": by_version[0]["mean"] if by_version else None,
         "reward_last_version": by_version[-1]["mean"] if by_version else None,
         "reward_by_version": by_version,
+        "attempts_by_version": attempts_by_version(steps),
         "trajectories_produced": sum(s.get("produced", 0) for s in samplers.values()),
         "trajectories_trained": len(rewards),
         "duplicates_dropped": trainer.get("duplicates", 0),
@@ -141,6 +207,14 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "trainer_wait_s": trainer.get("wait_s"),
         "trainer_step_s_mean": mean([r.step_s for r in steps]),
         "duration_s": duration_s,
+        "trajectories_per_s": _ratio(len(rewards), duration_s),
+        **cpu_accounting(layout, trainer, samplers, duration_s),
+        # Per trajectory, from its creation in a sampler to the step that trained it: seconds, and
+        # policy versions (the trained step's version minus the behaviour version, i.e. its staleness).
+        "sampling_to_training_s_p50": _percentile(per_trajectory(steps, "sampling_to_training_s"), 50),
+        "sampling_to_training_s_p95": _percentile(per_trajectory(steps, "sampling_to_training_s"), 95),
+        "sampling_to_training_steps_p50": _percentile(per_trajectory(steps, "staleness"), 50),
+        "sampling_to_training_steps_p95": _percentile(per_trajectory(steps, "staleness"), 95),
         "model": config.policy.model,
     }
 
@@ -259,6 +333,8 @@ def _fmt(value: Any) -> str:
         return "-"
     if isinstance(value, list):
         return f"{len(value)} entries, below"
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {_fmt(item)}" for key, item in value.items())
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return str(value)
@@ -285,6 +361,44 @@ def _heldout_sentence(summary: dict[str, Any]) -> str:
                else "within two, so not distinguishable from no change on these tasks")
     return (f"{text}: {ratio:+.1f} standard errors, {verdict}. The error covers the tasks, not the run's own "
             "randomness: compare seeds (benchmarks/learning.py) before trusting a small gain.")
+
+
+def _cpu_lines(summary: dict[str, Any]) -> list[str]:
+    """The 'Where the CPU went' section: cores each role kept busy, utilisation, idle ratios."""
+    busy = summary.get("cpu_cores_busy")
+    if not isinstance(busy, dict):
+        return []
+    cores, utilisation = summary.get("cores"), summary.get("cpu_utilisation")
+    return ["## Where the CPU went", "",
+            "CPU seconds of each role (user + system, all its threads) divided by the run's wall time: "
+            f"the cores it kept busy, of {_fmt(cores)} available.", "",
+            "| role | cores busy |", "|---|---:|", *[f"| {role} | {_fmt(value)} |" for role, value in busy.items()], "",
+            f"Utilisation {_fmt(utilisation)} of the cores. The trainer waited for data "
+            f"{_fmt(summary.get('trainer_idle_ratio'))} of its loop's time; samplers had no live episode "
+            f"{_fmt(summary.get('sampler_idle_ratio'))} of theirs (mean over samplers). From sampling to "
+            f"training: p50 {_fmt(summary.get('sampling_to_training_s_p50'))} s / "
+            f"{_fmt(summary.get('sampling_to_training_steps_p50'))} versions, p95 "
+            f"{_fmt(summary.get('sampling_to_training_s_p95'))} s / "
+            f"{_fmt(summary.get('sampling_to_training_steps_p95'))} versions.", ""]
+
+
+def _second_try_sentence(summary: dict[str, Any]) -> str:
+    base, base_error, base_n, final, final_error, final_n = (summary.get(key) for key in SECOND_TRY_KEYS)
+    if base_n is None and final_n is None:
+        return ""
+    return (f"After a wrong first answer, the second attempt was right {_fmt(base)} ± {_fmt(base_error)} of the time "
+            f"for the base model (n = {_fmt(base_n)} tasks it got wrong first) and {_fmt(final)} ± {_fmt(final_error)} "
+            f"for the final version (n = {_fmt(final_n)}); each over its own first-try failures, so not paired.")
+
+
+def _attempts_table(groups: list[dict[str, Any]]) -> list[str]:
+    if not groups:
+        return []
+    return ["Success per attempt of the same trajectories (second attempt: among those whose first one failed):",
+            "", "| behaviour version | n | first attempt | s.e. | n (second) | second attempt | s.e. |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+            *[f"| {g['version']} | {g['first_n']} | {_fmt(g['first_success'])} | {_fmt(g['first_stderr'])} | "
+              f"{g['second_n']} | {_fmt(g['second_success'])} | {_fmt(g['second_stderr'])} |" for g in groups], ""]
 
 
 def _version_table(groups: list[dict[str, Any]]) -> list[str]:
@@ -317,6 +431,8 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         "",
         _heldout_sentence(summary),
         "",
+        _second_try_sentence(summary),
+        "",
         "![reward](plots/reward.png)",
         "",
         "Sampled reward of the trained trajectories, by the policy version that sampled them (the tasks "
@@ -324,6 +440,7 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         "",
         *_version_table(summary.get("reward_by_version") or []),
         "",
+        *_attempts_table(summary.get("attempts_by_version") or []),
         "## Throughput",
         "",
         "![throughput](plots/throughput.png)",
@@ -333,6 +450,7 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         f"{_fmt(summary.get('trainer_wait_s'))} s waiting for data in all"
         + (f", busy {_fmt(mean([r.busy_fraction for r in steps]))} of the time." if steps else "."),
         "",
+        *_cpu_lines(summary),
         "## Staleness",
         "",
         "![staleness](plots/staleness.png)",

@@ -20,6 +20,9 @@ SCHEMA_VERSION = 1
 
 # The only dtypes a reader accepts; anything else is a malformed message, not a surprise.
 _ALLOWED_DTYPES = {"<i4": np.int32, "<f4": np.float32, "|i1": np.int8}
+# The little-endian dtype string and item size a reader expects for each of them.
+_LITTLE_ENDIAN = {kind: (np.dtype(kind).newbyteorder("<").str, np.dtype(kind).itemsize)
+                  for kind in _ALLOWED_DTYPES.values()}
 
 
 class SchemaError(ValueError):
@@ -40,6 +43,10 @@ def _require(condition: bool, field_name: str, message: str) -> None:
         raise SchemaError("invalid-field", field_name, message)
 
 
+def _fail(field_name: str, message: str) -> None:
+    raise SchemaError("invalid-field", field_name, message)
+
+
 def pack_array(array: np.ndarray, dtype: type) -> dict[str, Any]:
     """Encode an array as little-endian raw bytes with its dtype and shape."""
     arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
@@ -48,20 +55,21 @@ def pack_array(array: np.ndarray, dtype: type) -> dict[str, Any]:
 
 def unpack_array(obj: Any, field_name: str, dtype: type, ndim: int) -> np.ndarray:
     """Decode and validate one packed array; the result is a read-only view of the bytes."""
+    # Every array of every message comes through here: error messages are built only on failure.
     _require(isinstance(obj, dict), field_name, "expected an array map {dtype, shape, data}")
     dtype_str, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
-    expected = np.dtype(dtype).newbyteorder("<").str
-    _require(dtype_str == expected, field_name, f"dtype {dtype_str!r}, expected {expected!r}")
-    _require(dtype_str in _ALLOWED_DTYPES, field_name, f"dtype {dtype_str!r} not allowed")
-    _require(
-        isinstance(shape, list) and len(shape) == ndim and all(isinstance(s, int) and s >= 0 for s in shape),
-        field_name,
-        f"shape {shape!r} is not a list of {ndim} non-negative ints",
-    )
+    expected, itemsize = _LITTLE_ENDIAN[dtype]
+    if dtype_str != expected:
+        _fail(field_name, f"dtype {dtype_str!r}, expected {expected!r}")
+    if dtype_str not in _ALLOWED_DTYPES:
+        _fail(field_name, f"dtype {dtype_str!r} not allowed")
+    if not (isinstance(shape, list) and len(shape) == ndim and all(isinstance(s, int) and s >= 0 for s in shape)):
+        _fail(field_name, f"shape {shape!r} is not a list of {ndim} non-negative ints")
     _require(isinstance(data, bytes), field_name, "data must be bytes")
     count = math.prod(shape)
-    _require(len(data) == count * np.dtype(dtype).itemsize, field_name, f"{len(data)} bytes for shape {shape}")
-    return np.frombuffer(data, dtype=np.dtype(dtype_str), count=count).reshape(shape)
+    if len(data) != count * itemsize:
+        _fail(field_name, f"{len(data)} bytes for shape {shape}")
+    return np.frombuffer(data, dtype=expected, count=count).reshape(shape)
 
 
 def _get(obj: dict, name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
@@ -69,7 +77,8 @@ def _get(obj: dict, name: str, kind: type | tuple[type, ...], where: str = "") -
     value = obj[name]
     # bool is an int subclass; a boolean where a number belongs is a sender bug.
     ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
-    _require(ok, where + name, f"expected {kind}, got {type(value).__name__}")
+    if not ok:
+        _fail(where + name, f"expected {kind}, got {type(value).__name__}")
     return value
 
 
@@ -86,16 +95,21 @@ class Task:
     spec: dict[str, Any]
     attempt: int = 0
     created_at: float = field(default_factory=time.time)
+    # run.mode = sync: the sampler loads at least this version before it starts the task; 0 = any.
+    policy_version: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {"task_id": self.task_id, "env": self.env, "spec": self.spec, "attempt": self.attempt,
-                "created_at": self.created_at}
+                "created_at": self.created_at, "policy_version": self.policy_version}
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> Task:
         spec = _get(obj, "spec", dict)
+        version = _get(obj, "policy_version", int) if "policy_version" in obj else 0  # absent on the wire = 0
+        _require(version >= 0, "policy_version", "must be >= 0")
         return cls(task_id=_get(obj, "task_id", str), env=_get(obj, "env", str), spec=spec,
-                   attempt=_get(obj, "attempt", int), created_at=float(_get(obj, "created_at", (int, float))))
+                   attempt=_get(obj, "attempt", int), created_at=float(_get(obj, "created_at", (int, float))),
+                   policy_version=version)
 
 
 @dataclass(frozen=True)
@@ -138,10 +152,10 @@ class Step:
             done=_get(obj, "done", bool, prefix),
             memory_count=_get(obj, "memory_count", int, prefix),
         )
-        _require(len(actions) == len(logprobs), prefix + "behaviour_logprobs",
-                 f"{len(logprobs)} log-probs for {len(actions)} action tokens")
+        if len(actions) != len(logprobs):
+            _fail(prefix + "behaviour_logprobs", f"{len(logprobs)} log-probs for {len(actions)} action tokens")
         _require(len(actions) > 0, prefix + "action_ids", "an action needs at least one token")
-        _require(bool(np.all(np.isfinite(logprobs)) and np.all(logprobs <= 1e-4)), prefix + "behaviour_logprobs",
+        _require(bool(np.isfinite(logprobs).all() and (logprobs <= 1e-4).all()), prefix + "behaviour_logprobs",
                  "log-probs must be finite and <= 0")
         _require(math.isfinite(step.reward), prefix + "reward", "must be finite")
         return step

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,56 @@ def write_status(path: Path, fields: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**fields, "updated_at": time.time()}, indent=1, default=float))
     os.replace(tmp, path)
+
+
+def own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all its threads included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of another live process (the embedded broker); None if it cannot be read."""
+    try:
+        import psutil
+    except ImportError:  # psutil comes with DeepSpeed; /proc is the fallback on Linux
+        return _proc_cpu_seconds(pid)
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system
+
+
+def _proc_cpu_seconds(pid: int) -> float | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces; utime and stime are fields 14 and 15.
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_IMPORTED_AT = time.time()  # the fallback start time when the process's own cannot be read
+_started_at: float | None = None
+
+
+def process_usage() -> dict[str, float]:
+    """`cpu_s` and `wall_s` of this process since it started, for its progress file.
+
+    `sao run` divides each role's CPU seconds by the run's wall time to say how many cores it
+    kept busy (sao/report.py).
+    """
+    global _started_at
+    if _started_at is None:
+        try:
+            import psutil
+
+            _started_at = psutil.Process().create_time()
+        except (ImportError, OSError):
+            _started_at = _IMPORTED_AT
+    return {"cpu_s": own_cpu_seconds(), "wall_s": time.time() - _started_at}
 
 
 def read_status(path: Path) -> dict[str, Any]:
@@ -62,6 +113,9 @@ class StepRecord:
     forward_backward_s: float
     optimizer_s: float
     publish_s: float  # gathering and announcing weights after the step (0 when it did not publish)
+    # Per trajectory, from `attempt_success`; empty in records written before they existed.
+    first_attempt_success: list[float] = field(default_factory=list)  # 1.0 when the first attempt was right
+    second_attempt_success: list[float | None] = field(default_factory=list)  # None: no second attempt
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +126,19 @@ class StepRecord:
         """Share of the step's wall time not spent waiting for data (1 = samplers keep up)."""
         total = self.wait_s + self.forward_backward_s + self.optimizer_s + self.publish_s
         return (total - self.wait_s) / total if total > 0 else 1.0
+
+
+def attempt_success(step_rewards: list[float]) -> tuple[float, float | None]:
+    """(first attempt right, second attempt right) of an episode, from its steps' rewards.
+
+    In the retry envs (arithmetic, humaneval) a step pays only for a right answer, and a right
+    answer ends the episode. The second is None when there was no second attempt: the first
+    was right, or the episode had one step.
+    """
+    first = float(step_rewards[0] > 0) if step_rewards else 0.0
+    if first or len(step_rewards) < 2:
+        return first, None
+    return first, float(step_rewards[1] > 0)
 
 
 def trainer_steps(status: dict[str, Any]) -> list[StepRecord]:

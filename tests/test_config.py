@@ -1,5 +1,7 @@
 """Config: precedence of file, env and overrides; bad values fail naming the field."""
 
+import os
+
 import pytest
 
 from sao.config import ConfigError, load_config, to_toml
@@ -63,3 +65,24 @@ def test_config_show_prints_the_env_filled_generation_settings():
     assert "[policy]" in shown.output and "#   max_new_tokens = 384" in shown.output
     wrong = CliRunner().invoke(app, ["config", "show", "--set", 'env.name="no_such_env"'])
     assert wrong.exit_code != 0 and "env.name" in wrong.output
+
+
+@pytest.mark.parametrize("section", ["sampler", "trainer"])
+def test_cpu_affinity_takes_only_cpus_this_machine_has_naming_the_field(section):
+    cpus = sorted(os.sched_getaffinity(0))
+    assert getattr(load_config(overrides=[f"{section}.cpu_affinity={cpus[:1]}"], environ={}),
+                   section).cpu_affinity == cpus[:1]
+    for bad, why in (([max(cpus) + 1], "not available"), ([cpus[0], cpus[0]], "repeat"), ([], "empty"),
+                     ([-1], "not available")):
+        with pytest.raises(ConfigError, match=rf"`{section}\.cpu_affinity`.*{why}"):
+            load_config(overrides=[f"{section}.cpu_affinity={bad}"], environ={})
+
+
+def test_sync_mode_needs_a_publish_every_step_and_the_feeder_batch():
+    assert load_config(overrides=['run.mode="sync"'], environ={}).run.mode == "sync"
+    with pytest.raises(ConfigError, match="sync_every must be 1"):
+        load_config(overrides=['run.mode="sync"', "trainer.sync_every=2"], environ={})
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        load_config(overrides=['run.mode="sync"', "trainer.deepspeed={ train_batch_size = 16 }"], environ={})
+    with pytest.raises(ConfigError, match=r"run\.mode"):
+        load_config(overrides=['run.mode="lockstep"'], environ={})

@@ -102,3 +102,34 @@ def test_sampled_reward_is_grouped_by_behaviour_version_not_by_completion_order(
     assert [(g["version"], g["n"]) for g in groups] == [(1, 3), (2, 3)]  # a NaN reward is left out
     assert [g["mean"] for g in groups] == [0.0, pytest.approx(2.5 / 3)]
     assert groups[0]["stderr"] == 0 and groups[1]["stderr"] == pytest.approx(1 / 6)  # sd(1, 1, .5) / sqrt(3)
+
+
+def test_summary_accounts_cpu_per_role_and_idle_ratios(tmp_path):
+    _synthetic_run(tmp_path)  # 6 steps x 4 trajectories; staleness drawn from 0..2, sampling-to-training 1 s each
+    status = tmp_path / "status"
+    trainer = json.loads((status / "trainer.json").read_text())
+    write_status(status / "trainer.json", {**trainer, "cpu_s": 30.0, "idle_s": 5.0, "run_s": 20.0})
+    write_status(status / "sampler-0.json", {"produced": 12, "cpu_s": 10.0, "idle_s": 2.0, "run_s": 40.0})
+    write_status(status / "sampler-1.json", {"produced": 12, "cpu_s": 6.0, "idle_s": 6.0, "run_s": 40.0})
+    write_status(status / "launcher.json", {"cpu_s": 1.0, "broker_cpu_s": 3.0, "wall_s": 50.0, "cores": 2})
+    summary = build_summary(SaoConfig(), tmp_path, duration_s=50.0)
+    assert summary["cpu_cores_busy"] == pytest.approx(
+        {"trainer": 0.6, "samplers": 0.32, "broker": 0.06, "launcher": 0.02, "total": 1.0})
+    assert summary["cores"] == 2 and summary["cpu_utilisation"] == pytest.approx(0.5)
+    assert summary["trainer_idle_ratio"] == pytest.approx(0.25)
+    assert summary["sampler_idle_ratio"] == pytest.approx((0.05 + 0.15) / 2)
+    assert summary["trajectories_per_s"] == pytest.approx(24 / 50)
+    assert summary["sampling_to_training_s_p50"] == summary["sampling_to_training_s_p95"] == 1.0
+    staleness = sorted(s for record in trainer["steps"] for s in record["staleness"])
+    assert summary["sampling_to_training_steps_p50"] == pytest.approx((staleness[11] + staleness[12]) / 2)
+    assert summary["sampling_to_training_steps_p95"] <= max(staleness)
+    # The report and the run's table say where the CPU went.
+    text = write_report(tmp_path, summary).read_text()
+    assert "## Where the CPU went" in text and "| trainer | 0.6 |" in text and "Utilisation 0.5 of the cores" in text
+
+
+def test_summary_without_accounting_files_leaves_the_figures_empty(tmp_path):
+    _synthetic_run(tmp_path)  # progress files of a run from before the accounting: no cpu_s, no launcher file
+    summary = build_summary(SaoConfig(), tmp_path, duration_s=50.0)
+    assert summary["cpu_utilisation"] is None and summary["trainer_idle_ratio"] is None
+    assert summary["cpu_cores_busy"]["total"] is None

@@ -60,6 +60,11 @@ def test_sao_run_trains_through_kafka(tmp_path):
     groups = summary["reward_by_version"]
     assert sum(g["n"] for g in groups) == tasks and [g["version"] for g in groups] == sorted({g["version"] for g in groups})
     assert (summary["reward_first_version"], summary["reward_last_version"]) == (groups[0]["mean"], groups[-1]["mean"])
+    # Success per attempt, from the same trajectories: one first attempt each, a second only after a wrong first.
+    attempts = summary["attempts_by_version"]
+    assert [(a["version"], a["first_n"]) for a in attempts] == [(g["version"], g["n"]) for g in groups]
+    assert all(a["second_n"] == round(a["first_n"] * (1 - a["first_success"])) for a in attempts)
+    assert 0 <= summary["heldout_second_try_base_n"] <= 3 and 0 <= summary["heldout_second_try_n"] <= 3
     if summary["duplicates_dropped"] == summary["dead_lettered"] == 0:
         samplers = [json.loads(path.read_text()) for path in (run_dir / "status").glob("sampler-*.json")]
         assert len(samplers) == 2
@@ -68,6 +73,22 @@ def test_sao_run_trains_through_kafka(tmp_path):
     # A clean stop leaves a resumable checkpoint and the published weights.
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert list((run_dir / "policy").glob("policy-v*.safetensors"))
+    _check_accounting(summary)
+
+
+def _check_accounting(summary: dict) -> None:
+    """Where the CPU went: every role used some, and no more than the cores there are, over the run's wall time."""
+    busy, cores = summary["cpu_cores_busy"], summary["cores"]
+    assert set(busy) == {"trainer", "samplers", "broker", "launcher", "total"}
+    assert all(0 < busy[role] < cores + 0.05 for role in busy), busy  # broker and launcher are small but not 0
+    assert busy["total"] == pytest.approx(busy["trainer"] + busy["samplers"] + busy["broker"] + busy["launcher"])
+    # Loading a model takes seconds of CPU even when the machine is busy with other work.
+    assert busy["trainer"] * summary["duration_s"] > 1 and busy["samplers"] * summary["duration_s"] > 1
+    assert summary["cpu_utilisation"] == pytest.approx(busy["total"] / cores) and 0 < summary["cpu_utilisation"] <= 1.05
+    assert 0 <= summary["trainer_idle_ratio"] < 1 and 0 <= summary["sampler_idle_ratio"] < 1
+    assert summary["trajectories_per_s"] == pytest.approx(summary["trajectories_trained"] / summary["duration_s"])
+    assert 0 < summary["sampling_to_training_s_p50"] <= summary["sampling_to_training_s_p95"] < summary["duration_s"]
+    assert 0 <= summary["sampling_to_training_steps_p50"] <= summary["sampling_to_training_steps_p95"]
 
 
 @pytest.mark.slow

@@ -98,6 +98,18 @@ def test_bad_trajectories_are_rejected_naming_the_field(mutation, reason, field)
     assert err.value.field == field
 
 
+def test_a_task_policy_version_is_optional_and_validated():
+    task = Task(task_id="a/0/1", env="arithmetic", spec={}, policy_version=3)
+    assert decode(encode(task), Task).policy_version == 3
+    wire = msgpack.unpackb(encode(task), raw=False)
+    del wire["policy_version"]  # a task from a writer that predates the field
+    assert decode(msgpack.packb(wire), Task).policy_version == 0
+    for bad in (-1, True, "3", 1.5):
+        with pytest.raises(SchemaError) as err:
+            decode(msgpack.packb({**wire, "policy_version": bad}), Task)
+        assert err.value.field == "policy_version"
+
+
 def test_top_p_is_optional_on_the_wire():
     assert decode(_mutate(lambda o: o.pop("top_p")), Trajectory).top_p == 1.0
     assert decode(_mutate(lambda o: o.update(top_p=0.9)), Trajectory).top_p == 0.9

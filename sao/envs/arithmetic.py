@@ -26,6 +26,10 @@ from sao.schema import Task
 
 HELDOUT_BUCKETS = 2  # a question is held out when sha256(question) % this == 0: half of any domain
 EVAL_SEED = 1_000_003  # the scan that orders the eval split; fixed, so every env.seed is scored on the same tasks
+# reasoning-gym draws entry i of a dataset with Random(seed + i): seeds 0, 1, 2 would be one stream
+# shifted by one entry (the same questions, in nearly the same order). Training seeds are spread
+# this far apart so each env.seed reads its own stretch; env.seed 0 stays reasoning-gym's seed 0.
+TRAIN_SEED_STRIDE = 2_000_003
 # An entry is read from a dataset built with size = the end of its block of indices, so what index
 # i holds never depends on how many tasks were asked for at once (some datasets draw by size).
 _BLOCK = 1024
@@ -134,7 +138,7 @@ class ArithmeticEnv:
         named by the question itself, so a small domain's repeats show as repeated ids.
         """
         check_split(cls.name, split)
-        seed = EVAL_SEED if split == "eval" else config.seed
+        seed = EVAL_SEED if split == "eval" else config.seed * TRAIN_SEED_STRIDE
         stream = _stream(config.dataset, seed, _options_key(config.dataset_options), split)
         tasks = []
         for position in range(start_index, start_index + count):

@@ -250,3 +250,91 @@ def decision_table(episode: Episode, decisions, spans, threshold: float, limit: 
         table.add_row(str(t), text, cells[0], cells[1], cells[2], f"{step.reward:g}" if step.reward else "", cells[3])
         rows += 1
     return table
+
+
+@compression_app.command()
+def align(out: Annotated[Path | None, typer.Option(
+              help="Projector file to write (default: the shipped one for this model + encoder).")] = None,
+          input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
+          max_messages: MaxMessagesOpt = None,
+          labyrinth_episodes: Annotated[int, typer.Option(min=0, help="Scripted labyrinth episodes to train on.")] = 8,
+          tutoring_episodes: Annotated[int, typer.Option(min=0, help="Scripted multi-turn arithmetic episodes.")] = 8,
+          max_steps: Annotated[int, typer.Option(min=2, help="Labyrinth: actions before an episode ends.")] = 120,
+          updates: Annotated[int, typer.Option(min=0, help="Optimizer updates of the projector.")] = 40,
+          batch_size: Annotated[int, typer.Option(min=1, help="Steps per update.")] = 4,
+          lr: Annotated[float, typer.Option(min=0, help="AdamW learning rate of the projector.")] = 1e-3,
+          top_k: Annotated[int, typer.Option(min=1, help="Teacher tokens kept per action token.")] = 64,
+          recent_window: Annotated[int | None, typer.Option(
+              min=0, help="Steps in full text (default: compression.recent_window).")] = None,
+          validation_steps: Annotated[int, typer.Option(min=1, help="Held-out steps the KL is reported on.")] = 24,
+          seed: SeedOpt = 0,
+          threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
+          config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Align the memory projector by distillation (full-text LM teaches memory-reading LM); LM frozen."""
+    import random
+    import time
+
+    import torch
+
+    from sao.compression.semantic import load_encoder
+    from sao.compression.temporal import load_temporal_filter
+    from sao.offline import align as alignment
+    from sao.policy.projector import encoder_identity, save_projector, shipped_projector_path
+    from sao.policy.weights import build_policy
+
+    cfg = _setup(config, set_)
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    window = cfg.compression.recent_window if recent_window is None else recent_window
+    if input_path or bootstrap_servers:
+        loaded = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, "mix", 0.0, seed, max_messages)
+        source = f"file {input_path}" if input_path else f"topic {cfg.topics.trajectories}"
+        random.Random(seed).shuffle(loaded)
+        held = max(1, len(loaded) // 5)
+        training, validation = loaded[held:], loaded[:held]
+    else:
+        training = (alignment.labyrinth_corpus(seed, labyrinth_episodes, max_steps)
+                    + alignment.tutoring_corpus(seed, tutoring_episodes))
+        # Held-out worlds and questions from another seed.
+        validation = alignment.labyrinth_corpus(seed + 1, 1, max_steps) + alignment.tutoring_corpus(seed + 1, 1)
+        source = (f"scripted: {labyrinth_episodes} labyrinth episodes (noisy expert / random, <= {max_steps} steps) + "
+                  f"{tutoring_episodes} multi-turn arithmetic episodes (stuck learner), seed {seed}")
+    encoder = load_encoder(cfg.compression.encoder)
+    temporal_filter = load_temporal_filter(cfg.compression.temporal_weights, cfg.compression.keep_threshold)
+    train_set = alignment.prepare(training, cfg, encoder, temporal_filter, window)
+    val_set = alignment.prepare(validation, cfg, encoder, temporal_filter, window)
+    policy = build_policy(cfg.policy, encoder.dim).train()
+    val_pairs = alignment.memory_steps(val_set)
+    val_pairs = sorted(random.Random(seed).sample(val_pairs, min(validation_steps, len(val_pairs))))
+    kl_zero = alignment.mean_kl(policy, val_set, val_pairs)
+    console.print(f"{len(train_set)} training episodes ({len(alignment.memory_steps(train_set))} steps with memory); "
+                  f"held-out KL with the zero projector {kl_zero:.4f}")
+
+    def progress(update: int, loss: float) -> None:
+        if update % 5 == 0 or update == updates - 1:
+            console.print(f"update {update + 1}/{updates}: loss {loss:.4f} ({time.perf_counter() - started:.0f} s)")
+
+    losses = alignment.align_projector(policy, train_set, updates, lr, batch_size, seed, top_k, progress)
+    kl_aligned = alignment.mean_kl(policy, val_set, val_pairs)
+    model, encoder_name = cfg.policy.model, encoder_identity(cfg.compression.encoder)
+    target = out or shipped_projector_path(model, encoder_name)
+    flags = ["--labyrinth-episodes", str(labyrinth_episodes), "--tutoring-episodes", str(tutoring_episodes),
+             "--max-steps", str(max_steps)] if not (input_path or bootstrap_servers) else (
+        ["--input", str(input_path)] if input_path else ["--bootstrap-servers", str(bootstrap_servers)])
+    flags += ["--updates", str(updates), "--batch-size", str(batch_size), "--lr", f"{lr:g}", "--top-k", str(top_k),
+              "--recent-window", str(window), "--validation-steps", str(validation_steps), "--seed", str(seed)]
+    flags += [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
+    meta = {"model": model, "encoder": encoder_name, "corpus": source, "recent_window": window,
+            "temporal_filter": temporal_filter.meta.get("command", "shipped default"),
+            "command": shlex.join(["sao", "compression", "align", *flags]), "seed": seed,
+            "projector": "linear", "teacher": "same LM reading the full history as text",
+            "result": {"kl_zero": kl_zero, "kl_aligned": kl_aligned, "validation_steps": len(val_pairs),
+                       "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+                       "seconds": round(time.perf_counter() - started, 1), "threads": threads}}
+    save_projector(policy.projector, target, meta)
+    table = Table(title=f"projector written to {target}")
+    for column in ("updates", "held-out KL, zero projector", "held-out KL, aligned", "change"):
+        table.add_column(column, justify="right")
+    table.add_row(str(updates), f"{kl_zero:.4f}", f"{kl_aligned:.4f}", f"{(kl_aligned - kl_zero) / kl_zero:+.1%}")
+    Console().print(table)

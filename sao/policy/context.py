@@ -5,6 +5,10 @@ Layout of a step's input, left to right:
 The recent steps are the last `recent_window` finished steps (observation + action tokens);
 older steps reach the policy only through memory. Because the sampler and the trainer both
 build contexts with `step_tokens`, the trainer recomputes exactly what the sampler sampled from.
+
+With `recent_window >= 1` the text after the memory is a well-formed chat: an observation opens
+with the end of the previous assistant turn (`ChatFormat.feedback_observation`), so it must follow
+that turn's action. At 0 it follows the memory instead, and the text shows two user turns in a row.
 """
 
 from __future__ import annotations

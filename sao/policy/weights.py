@@ -9,6 +9,7 @@ anything that would need it, so no check reads more than the previous one allowe
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 from pathlib import Path
@@ -20,8 +21,10 @@ from safetensors.torch import save_file
 from sao.config import PolicyConfig
 from sao.policy.loading import load_language_model
 from sao.policy.model import MemoryPolicy
+from sao.policy.projector import apply_projector_setting
 from sao.run_dir import RunDir
 
+logger = logging.getLogger(__name__)
 _CHUNK_BYTES = 8 << 20
 # A published file holds fp32; any float dtype is accepted because loading casts to the policy's.
 _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
@@ -200,9 +203,18 @@ def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:
     return name == "lm.lm_head.weight" and bool(getattr(policy.lm.config, "tie_word_embeddings", False))
 
 
-def build_policy(config: PolicyConfig, memory_dim: int, value_head: bool = False) -> MemoryPolicy:
-    """Version 0 of the policy: base LM + zero projector, identical in every process."""
-    return MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_dim, value_head)
+def build_policy(config: PolicyConfig, memory_dim: int, value_head: bool = False,
+                 encoder: str | None = None) -> MemoryPolicy:
+    """Version 0 of the policy, identical in every process: base LM + projector.
+
+    With `encoder` (the compression.encoder setting) the projector is what `policy.projector`
+    names (sao/policy/projector.py: the aligned one shipped for this model + encoder, else zero);
+    without it, zero.
+    """
+    policy = MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_dim, value_head)
+    if encoder is not None:
+        logger.info(apply_projector_setting(policy.projector, config.projector, config.model, encoder))
+    return policy
 
 
 def place_for_sampling(policy: MemoryPolicy, device: str = "auto") -> MemoryPolicy:

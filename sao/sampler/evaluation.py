@@ -5,7 +5,9 @@ base model (version 0) with its final version on the same tasks. The trainer kee
 `trainer.keep_versions` versions on disk with a JSON sidecar holding their sha256; any of them,
 or version 0, can be scored. Actions are greedy by default, so two versions differ only by their
 weights; each distinct held-out task is scored once (up to a cap), and the comparison is paired:
-per task, first-try success of the final version minus that of the base.
+per task, first-try success of the final version minus that of the base. Second-try success
+(right at the second attempt, among the tasks whose first attempt failed) is reported per
+version with its own n: the tasks a version gets wrong first differ between versions.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
 from sao.schema import Task
 from sao.stats import mean, paired_gain, stderr
+from sao.status import attempt_success
 
 log = logging.getLogger(__name__)
 
-TaskScores = dict[str, dict[str, float]]  # task id -> {"first_try": 0 or 1, "reward": total reward}
+# task id -> {"first_try": 0 or 1, "second_try": 0 or 1 or None (no second attempt), "reward": total reward}
+TaskScores = dict[str, dict[str, float | None]]
 
 
 def weights_of(run_dir: Path, version: int) -> tuple[Path, str]:
@@ -64,7 +68,8 @@ class Scorer:
         self.config, self.run_dir = config, Path(run_dir)
         self.slots = slots or config.run.heldout_batch
         self.encoder = load_encoder(config.compression.encoder)
-        self.policy = place_for_sampling(build_policy(config.policy, self.encoder.dim), config.sampler.device)
+        self.policy = place_for_sampling(build_policy(config.policy, self.encoder.dim, encoder=config.compression.encoder),
+                                         config.sampler.device)
         self.loaded_version = 0  # build_policy gives the base model
         temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
         self.roller = Roller(config, self.policy, self.encoder, temporal_filter, sampler_id="eval", seed=0)
@@ -83,8 +88,8 @@ class Scorer:
         self.loaded_version = version
 
     def score(self, version: int, tasks: list[Task], greedy: bool = True) -> tuple[TaskScores, dict[str, str]]:
-        """Per task: first-try success (the first step's reward >= 1) and total reward; and the
-        tasks whose env failed, with the failure."""
+        """Per task: first-try success (the first step's reward >= 1), second-try success (see
+        `attempt_success`) and total reward; and the tasks whose env failed, with the failure."""
         self.load(version)
         scores: TaskScores = {}
         failures: dict[str, str] = {}
@@ -92,18 +97,25 @@ class Scorer:
             if isinstance(outcome, EnvFailure):
                 failures[task.task_id] = str(outcome)
             else:
+                _, second_try = attempt_success([step.reward for step in outcome.steps])
                 scores[task.task_id] = {"first_try": float(outcome.steps[0].reward >= 1.0),
-                                        "reward": outcome.total_reward}
+                                        "second_try": second_try, "reward": outcome.total_reward}
         if failures:
             log.warning("v%d: the env failed on %d of %d held-out tasks (left out), e.g. %s", version, len(failures),
                         len(tasks), next(iter(failures.values())))
         return scores, failures
 
 
+def second_tries(scores: TaskScores, task_ids: list[str]) -> list[float]:
+    """Second-try successes of the tasks that had a second attempt (first one wrong), in task order."""
+    return [scores[t]["second_try"] for t in task_ids if scores[t]["second_try"] is not None]
+
+
 def _figures(scores: TaskScores) -> dict:
-    first_try = [s["first_try"] for s in scores.values()]
+    first_try, second_try = [s["first_try"] for s in scores.values()], second_tries(scores, list(scores))
     return {"n": len(scores), "first_try_success": mean(first_try), "first_try_stderr": stderr(first_try),
-            "reward_mean": mean([s["reward"] for s in scores.values()])}
+            "second_try_success": mean(second_try), "second_try_stderr": stderr(second_try),
+            "second_try_n": len(second_try), "reward_mean": mean([s["reward"] for s in scores.values()])}
 
 
 def evaluate(config: SaoConfig, run_dir: Path, version: int, num_tasks: int, greedy: bool = True) -> dict:
@@ -137,17 +149,22 @@ def _cache_path(config: SaoConfig, tasks: list[Task], device: str) -> Path | Non
     return Path(config.run.heldout_cache_dir).expanduser() / f"{key}.json"
 
 
+_CACHED_FIELDS = {"first_try": (int, float), "second_try": (int, float, type(None)), "reward": (int, float)}
+
+
 def _cached_base(path: Path | None, tasks: list[Task]) -> TaskScores | None:
     if path is None or not path.is_file():
         return None
     try:
         scores = json.loads(path.read_text())["scores"]
-        if all(isinstance(scores[t.task_id][k], (int, float)) for t in tasks for k in ("first_try", "reward")):
+        # A cache written before second tries were scored has no "second_try": it is scored again.
+        if all(isinstance(scores[t.task_id].get(k, "missing"), types)
+               for t in tasks for k, types in _CACHED_FIELDS.items()):
             return {t.task_id: scores[t.task_id] for t in tasks}
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         log.warning("held-out cache %s is unreadable (%s); scoring the base model again", path, err)
         return None
-    log.warning("held-out cache %s lacks some tasks; scoring the base model again", path)
+    log.warning("held-out cache %s lacks some tasks or figures; scoring the base model again", path)
     return None
 
 
@@ -162,7 +179,8 @@ def _store_base(path: Path | None, scores: TaskScores) -> None:
 
 def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, cap: int | None = None,
             threads: int | None = None) -> dict:
-    """Score `baseline` and `version` greedily on the same held-out tasks; the paired first-try gain.
+    """Score `baseline` and `version` greedily on the same held-out tasks; the paired first-try gain,
+    and each version's second-try success (with its own n, among its own first-try failures).
 
     The base model's scores (baseline 0) come from the cache when it holds them. Tasks on which
     the env failed in either version are left out of the pairing. Writes RUN_DIR/eval/heldout.json.
@@ -184,6 +202,7 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
     paired = [task.task_id for task in tasks if task.task_id in base and task.task_id in final]
     gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [final[t]["first_try"] for t in paired])
     reward_gain, reward_stderr = paired_gain([base[t]["reward"] for t in paired], [final[t]["reward"] for t in paired])
+    base_second, final_second = second_tries(base, paired), second_tries(final, paired)
     result = {
         "heldout_base": mean([base[t]["first_try"] for t in paired]),
         "heldout_final": mean([final[t]["first_try"] for t in paired]),
@@ -191,6 +210,10 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
         "heldout_reward_base": mean([base[t]["reward"] for t in paired]),
         "heldout_reward_final": mean([final[t]["reward"] for t in paired]),
         "heldout_reward_gain": reward_gain, "heldout_reward_gain_stderr": reward_stderr,
+        "heldout_second_try_base": mean(base_second), "heldout_second_try_base_stderr": stderr(base_second),
+        "heldout_second_try_base_n": len(base_second),
+        "heldout_second_try_final": mean(final_second), "heldout_second_try_final_stderr": stderr(final_second),
+        "heldout_second_try_n": len(final_second),
         "base_version": baseline, "final_version": version, "tasks": len(tasks), "base_cached": base_cached,
         "base_seconds": base_s, "final_seconds": time.perf_counter() - started - base_s,
         "per_task": {t: {"base": base[t], "final": final[t]} for t in paired},

@@ -3,7 +3,8 @@
 A task offset is committed only after its trajectory is acknowledged by the broker (and only
 below the oldest task still running on that partition), so a sampler that dies mid-task leaves
 the task to another member of the "sao-samplers" group (the trainer drops the duplicate by
-trajectory_id if both finish). New policy versions are loaded between trajectories, never
+trajectory_id if both finish). Tasks finished above that offset travel in the commit's metadata,
+and the partition's next owner skips them (sao/sampler/offsets.py). New policy versions are loaded between trajectories, never
 during one.
 """
 
@@ -33,11 +34,11 @@ from sao.policy.weights import (
 from sao.sampler.offsets import OffsetTracker
 from sao.sampler.rollout import LiveEpisode, Roller
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
-from sao.status import write_status
+from sao.status import process_usage, write_status
 from sao.transport.announcements import PolicyFollower
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
-from sao.transport.kafka import RenewingProducer, deliver_and_wait, make_consumer
+from sao.transport.kafka import TASK_CONSUMER_SETTINGS, RenewingProducer, deliver_and_wait, make_consumer
 from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
@@ -53,22 +54,26 @@ class Sampler:
         self.status_path = status_path
         encoder = load_encoder(config.compression.encoder)
         temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
-        self.policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
+        self.policy = place_for_sampling(build_policy(config.policy, encoder.dim, encoder=config.compression.encoder),
+                                         config.sampler.device)
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
         self.roller = Roller(config, self.policy, encoder, temporal_filter, sampler_id, seed)
         self.policy_version = 0
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
-                         "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0}
+                         "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,
+                         "idle_s": 0.0, "run_s": 0.0}  # idle: no live episode (waiting for tasks or a reload)
         self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump)
         # Announced weights are read only from here (None: every announcement is refused, said once).
         self.policy_dir = Path(config.sampler.policy_dir) if config.sampler.policy_dir else None
         self.broker_watch = BrokerWatch(bootstrap, sampler_id, config.broker.loss_timeout_s)
         self.producer = RenewingProducer(bootstrap, self.broker_watch)
         self.dlq = DeadLetterQueue(self.producer, config.topics.dlq)
-        self.tasks = make_consumer(bootstrap, config.topics.sampler_group, [config.topics.tasks])
-        self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.offsets = OffsetTracker()
+        self.tasks = make_consumer(bootstrap, config.topics.sampler_group, **TASK_CONSUMER_SETTINGS)
+        self.tasks.subscribe([config.topics.tasks], on_assign=self._assigned, on_revoke=self._revoked)
+        self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live
+        self.held: list[tuple[Task, object]] = []  # taken, not started: released for a version not loaded yet
         self.stopping = False
 
     def run(self, max_tasks: int | None = None) -> dict:
@@ -82,20 +87,26 @@ class Sampler:
         signal.signal(signal.SIGTERM, self._stop)
         admitted = 0
         live: list[tuple[LiveEpisode, object]] = []  # (episode, its task message)
+        run_started = time.perf_counter()
         try:
             while live or (not self.stopping and (max_tasks is None or admitted < max_tasks)):
+                idle_from = None if live else time.perf_counter()
                 self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the loop
                 self._follow_policy(reload_now=not live)
                 free = self.config.sampler.rollout_batch - len(live)
                 if max_tasks is not None:
                     free = min(free, max_tasks - admitted)
-                if free > 0 and not self.stopping and self.pending is None:
+                if free > 0 and not self.stopping and self.pending is None and not self.held:
                     taken, tasks = self._take(free, wait=not live)
                     admitted += taken
                     if tasks and not live:
                         # A version announced while this sampler waited for tasks is used for them.
                         self._follow_policy(reload_now=True)
-                    live += self._start(tasks)
+                    self.held += tasks
+                live += self._start(self._ready(live))
+                if live and idle_from is not None:  # idle until this iteration's tasks started
+                    self.counters["idle_s"] += time.perf_counter() - idle_from
+                    idle_from = None
                 if live:
                     outcomes = self.roller.step([episode for episode, _ in live])
                     for (episode, msg), outcome in zip(live, outcomes):
@@ -103,7 +114,10 @@ class Sampler:
                             self._finish(msg, episode.task, outcome)
                     live = [entry for entry, outcome in zip(live, outcomes) if outcome is None]
                 self._commit()
-                self._write_status()
+                if idle_from is not None:
+                    self.counters["idle_s"] += time.perf_counter() - idle_from
+                self.counters["run_s"] = time.perf_counter() - run_started
+                self._write_status(live=live)
         except BrokerGone as gone:
             gone.in_flight = self._in_flight(live)
             raise
@@ -122,7 +136,8 @@ class Sampler:
     def _in_flight(self, live: list[tuple[LiveEpisode, object]]) -> str:
         """What this sampler held: episodes whose task offsets are uncommitted, messages not acknowledged."""
         return (f"{len(live)} live episode(s), tasks {[episode.task.task_id for episode, _ in live]} (their offsets "
-                f"are not committed); unacknowledged messages (topic, key): {self.producer.unacknowledged()}")
+                f"are not committed); {len(self.held)} task(s) held for a policy version, not started; "
+                f"unacknowledged messages (topic, key): {self.producer.unacknowledged()}")
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
@@ -137,6 +152,9 @@ class Sampler:
             if msg.error() is not None:
                 log.warning("tasks topic: %s", msg.error())
                 continue
+            if self.offsets.already_done(msg.topic(), msg.partition(), msg.offset()):
+                self.counters["skipped_done"] += 1  # delivered already (or running here): not run twice
+                continue
             taken += 1
             self.offsets.started(msg.topic(), msg.partition(), msg.offset())
             try:
@@ -148,6 +166,48 @@ class Sampler:
             record_delivery(msg.topic(), task.created_at, len(msg.value()))
             tasks.append((task, msg))
         return taken, tasks
+
+    def _ready(self, live: list[tuple[LiveEpisode, object]]) -> list[tuple[Task, object]]:
+        """The held tasks whose policy version is loaded; the rest stay held (admission pauses).
+
+        A task released for a newer version (run.mode = sync) is never sampled with an older one:
+        once no episode is live, the sampler waits for that version, since the tasks can arrive
+        before their announcement does. A version that cannot come fails its tasks (dead letters).
+        """
+        if self.held and not live:
+            for version in sorted({task.policy_version for task, _ in self.held}):
+                problem = self._await_version(version)
+                if problem is None:
+                    continue
+                for task, msg in [(task, msg) for task, msg in self.held if task.policy_version == version]:
+                    self._dead_letter(msg, "version-not-loaded", f"task {task.task_id}: policy v{version} {problem}; "
+                                                                 f"{self.sampler_id} has v{self.policy_version}")
+                    self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
+                    self.held.remove((task, msg))
+        ready = [(task, msg) for task, msg in self.held if task.policy_version <= self.policy_version]
+        self.held = [(task, msg) for task, msg in self.held if task.policy_version > self.policy_version]
+        return ready
+
+    def _await_version(self, version: int) -> str | None:
+        """Load `version` (or a newer one); None once loaded, else why it cannot be (said loudly).
+
+        Tasks are untrusted input: an implausible version fails at once, any other after
+        `sampler.version_wait_s`, so that no task can hold a sampler for longer.
+        """
+        problem = self.policy_follower.implausible(version) if version > self.policy_version else None
+        deadline = time.monotonic() + self.config.sampler.version_wait_s
+        while problem is None and self.policy_version < version:
+            if time.monotonic() > deadline:
+                problem = (f"was not loadable within sampler.version_wait_s = {self.config.sampler.version_wait_s:g} s "
+                           f"(is the trainer publishing into {self.policy_dir}? see its log and this sampler's refusals)")
+                break
+            self.broker_watch.check()
+            self.policy_follower.poll(0.1)  # blocks briefly until an announcement arrives
+            self._follow_policy(reload_now=True)
+        if problem is not None:
+            log.error("%s: tasks released for policy v%d are dead-lettered, not sampled with v%d: v%d %s",
+                      self.sampler_id, version, self.policy_version, version, problem)
+        return problem
 
     def _start(self, tasks: list[tuple[Task, object]]) -> list[tuple[LiveEpisode, object]]:
         """Episodes of `tasks` under the current policy version; a failed env reset is dead-lettered."""
@@ -175,8 +235,26 @@ class Sampler:
             self.counters["rollout_s"] += outcome.timings["rollout_s"]
         self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
 
+    def _assigned(self, consumer, partitions: list) -> None:
+        """Learn which tasks of newly assigned partitions a former owner already delivered (the
+        commit's metadata, see sao/sampler/offsets.py), so that they are skipped, not redone."""
+        if not partitions:  # a cooperative rebalance that gave this sampler nothing new
+            return
+        try:
+            committed = consumer.committed(partitions, timeout=10)
+        except KafkaException as err:  # they are merely redone
+            log.warning("%s could not read committed task offsets: %s", self.sampler_id, err)
+            return
+        for tp in committed:
+            self.offsets.assigned(tp.topic, tp.partition, tp.offset, tp.metadata)
+
+    def _revoked(self, _consumer, partitions: list) -> None:
+        for tp in partitions:
+            self.offsets.revoked(tp.topic, tp.partition)
+
     def _commit(self) -> None:
-        """Commit every partition up to its oldest unfinished task (trajectories acked, dead letters flushed)."""
+        """Commit every partition up to its oldest unfinished task (trajectories acked, dead letters flushed),
+        with the tasks finished above it in the commit's metadata."""
         offsets = self.offsets.committable()
         if not offsets or not self.broker_watch.is_up:  # while the broker is away they wait for it
             return
@@ -246,7 +324,16 @@ class Sampler:
                         ", and will refuse every later version too" if reason == "no-policy-dir" else "")
         self.counters["refused"] += 1
 
-    def _write_status(self, finished: bool = False) -> None:
+    def _write_status(self, finished: bool = False, live: list[tuple[LiveEpisode, object]] = ()) -> None:
         if self.status_path is not None:
-            write_status(self.status_path, {**self.counters, "sampler_id": self.sampler_id,
-                                            "policy_version": self.policy_version, "finished": finished})
+            write_status(self.status_path, {**self.counters, **process_usage(), "sampler_id": self.sampler_id,
+                                            "policy_version": self.policy_version, "finished": finished,
+                                            "live_episodes": _live_episodes(live)})
+
+
+def _live_episodes(live: list[tuple[LiveEpisode, object]]) -> list[dict]:
+    """The episodes running now and when each started (unix time): what a crash now would throw away
+    (benchmarks/recovery.py measures it)."""
+    now, clock = time.time(), time.perf_counter()
+    return [{"task_id": episode.task.task_id, "attempt": episode.task.attempt,
+             "started_at": now - (clock - episode.started)} for episode, _ in live]

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from sao.config import TrainerConfig
 from sao.policy.context import training_inputs
-from sao.policy.model import collate_steps
+from sao.policy.model import ScoringBatch, collate_steps
 from sao.schema import Trajectory
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
@@ -32,8 +33,10 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
                group_size: int = 1) -> BatchPlan:
     """Advantages for the whole batch against the baselines as they stand (`record_rewards` updates them).
 
-    SAO: reward minus the task's running-mean baseline (never a group mean, which is zero at
-    group size 1). GRPO (group_size > 1): reward minus the mean of its group of attempts.
+    SAO: reward minus the trajectory's baseline (`trainer.baseline_key`; never a group mean, which
+    is zero at group size 1). GRPO (group_size > 1): reward minus the mean of its group of attempts.
+    Whitening subtracts the batch mean, so a baseline equal for the whole batch (`env`) or an affine
+    function of the rewards (`leave_one_out`) leaves whitened advantages as they would be without.
     """
     rewards = torch.tensor([t.total_reward for t in batch])
     if cfg.algorithm == "grpo":
@@ -42,7 +45,7 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
             group_means[task_id] = rewards[[i for i, t in enumerate(batch) if t.task_id == task_id]].mean()
         advantages = rewards - torch.stack([group_means[t.task_id] for t in batch])
     else:
-        advantages = rewards - torch.tensor([baseline.value(t.task_id, t.env) for t in batch])
+        advantages = rewards - baseline.values_for(batch)
     if cfg.whiten_advantages:
         advantages = whiten(advantages)
     return BatchPlan(batch, advantages.tolist(), [policy_version - t.behaviour_version for t in batch])
@@ -54,7 +57,7 @@ def record_rewards(plan: BatchPlan, baseline: RewardBaseline) -> None:
     Never before: a step skipped for a non-finite loss must not leave its rewards behind.
     """
     for trajectory in plan.trajectories:
-        baseline.update(trajectory.task_id, trajectory.env, trajectory.total_reward)
+        baseline.update(trajectory)
 
 
 def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cfg: TrainerConfig,
@@ -80,11 +83,11 @@ def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cf
     for row, row_logprobs in enumerate(behaviour):
         behaviour_logprobs[row, scoring.action_mask[row]] = row_logprobs.to(device)
     if not cfg.value_head:
-        logprobs = engine(scoring)
+        logprobs = _score(engine, scoring, cfg.length_buckets)
         return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask,
                                       torch.tensor(row_weights, device=device),
                                       torch.tensor(row_trajectory, device=device), normaliser), cfg)
-    logprobs, values = engine(scoring, with_values=True)
+    logprobs, values = _score(engine, scoring, cfg.length_buckets, with_values=True)
     targets = torch.tensor(returns, device=device)
     weights = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
     loss, stats = policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, weights,
@@ -93,3 +96,78 @@ def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cf
     value_loss = ((values - targets) ** 2 * live).sum() / normaliser
     total = loss + cfg.value_coef * value_loss
     return total, replace(stats, loss=float(total.detach()), value_loss=float(value_loss.detach()))
+
+
+# A split costs one more pass of fixed overhead (ZeRO-3 gathers and hooks per module); below this
+# share of the padded positions saved it does not pay.
+MIN_SPLIT_SAVING = 0.05
+
+
+def length_buckets(lengths: list[int], max_buckets: int) -> list[list[int]]:
+    """Row indices in at most `max_buckets` groups of similar length, padding as little as possible.
+
+    Rows sorted by length are cut into contiguous groups; a group costs (rows x its longest row)
+    positions. The cheapest cut for each number of groups comes from a small dynamic programme
+    (rows per batch are few); more groups are taken only while each saves MIN_SPLIT_SAVING.
+    """
+    order = sorted(range(len(lengths)), key=lambda row: lengths[row])
+    sorted_lengths = [lengths[row] for row in order]
+    count = len(order)
+    # cost[k][j]: fewest positions for the first j sorted rows in k groups; cut[k][j]: where the last group starts.
+    cost = [[0.0] + [float("inf")] * count]
+    cut: list[list[int]] = [[0] * (count + 1)]
+    best_groups = 1
+    for groups in range(1, min(max_buckets, max(count, 1)) + 1):
+        row_cost, row_cut = [0.0] + [float("inf")] * count, [0] * (count + 1)
+        for end in range(1, count + 1):
+            for start in range(groups - 1, end):
+                candidate = cost[groups - 1][start] + (end - start) * sorted_lengths[end - 1]
+                if candidate < row_cost[end]:
+                    row_cost[end], row_cut[end] = candidate, start
+        cost.append(row_cost)
+        cut.append(row_cut)
+        if groups > 1 and row_cost[count] <= cost[best_groups][count] * (1 - MIN_SPLIT_SAVING):
+            best_groups = groups
+    buckets, end = [], count
+    for groups in range(best_groups, 0, -1):
+        start = cut[groups][end] if groups > 1 else 0
+        buckets.append([order[i] for i in range(start, end)])
+        end = start
+    return [bucket for bucket in reversed(buckets) if bucket]
+
+
+def _rows(batch: ScoringBatch, rows: torch.Tensor, width: int) -> ScoringBatch:
+    """The given rows of a right-padded batch, cut to `width` positions (their longest row)."""
+    action_mask = batch.action_mask[rows, :width]
+    return ScoringBatch(batch.token_ids[rows, :width], batch.memory_vectors[rows, :width], batch.memory_mask[rows, :width],
+                        batch.attention_mask[rows, :width], action_mask,
+                        int(action_mask.int().argmax(dim=1).min()), batch.temperatures[rows])
+
+
+def _score(engine, scoring: ScoringBatch, max_buckets: int, with_values: bool = False):
+    """The policy's log-probs [rows, L] (and values [rows]) of a batch, one forward pass per length bucket.
+
+    Rows are right-padded and causal, so a row's outputs do not depend on how far it is padded:
+    the passes put together equal one pass over the whole batch, with fewer positions computed.
+    The loss is taken once over the reassembled tensors, so nothing else changes.
+    """
+    lengths = scoring.attention_mask.sum(dim=1).tolist()
+    buckets = length_buckets(lengths, max_buckets)
+    if len(buckets) <= 1:
+        return engine(scoring, with_values=True) if with_values else engine(scoring)
+    width = scoring.token_ids.shape[1]
+    logprobs, values, order = [], [], []
+    for bucket in buckets:
+        rows = torch.tensor(bucket, device=scoring.token_ids.device)
+        bucket_width = max(lengths[row] for row in bucket)
+        out = engine(_rows(scoring, rows, bucket_width), with_values=True) if with_values else \
+            engine(_rows(scoring, rows, bucket_width))
+        bucket_logprobs, bucket_values = out if with_values else (out, None)
+        logprobs.append(F.pad(bucket_logprobs, (0, width - bucket_width)))
+        values.append(bucket_values)
+        order += bucket
+    inverse = torch.empty(len(order), dtype=torch.long, device=scoring.token_ids.device)
+    inverse[torch.tensor(order, device=inverse.device)] = torch.arange(len(order), device=inverse.device)
+    if with_values:
+        return torch.cat(logprobs)[inverse], torch.cat(values)[inverse]
+    return torch.cat(logprobs)[inverse]

@@ -84,6 +84,10 @@ def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         config["bf16"] = {"enabled": True}
+    if trainer.offload_optimizer:
+        # torch's AdamW steps the offloaded state on the CPU (zero_force_ds_cpu_optimizer above allows it);
+        # DeepSpeedCPUAdam, DeepSpeed's usual choice here, is a JIT-compiled op (see the docstring).
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return _merge(config, user_deepspeed_config(trainer))
 
 
@@ -92,7 +96,8 @@ def build_engine(model: torch.nn.Module, trainer: TrainerConfig):
     import deepspeed
 
     init_distributed()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay,
+                                  fused=trainer.fused_adamw or None)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                       config=deepspeed_config(trainer, torch.distributed.get_world_size()))
     return engine

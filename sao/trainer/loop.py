@@ -25,7 +25,7 @@ from sao.config import SaoConfig, to_toml
 from sao.policy.weights import build_policy
 from sao.run_dir import RunDir
 from sao.schema import Trajectory
-from sao.status import StepRecord, write_status
+from sao.status import StepRecord, attempt_success, process_usage, write_status
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, config: SaoConfig, bootstrap: str, run_dir: Path, resume: bool = False):
-        torch.set_num_threads(config.trainer.torch_threads)
+        torch.set_num_threads(config.trainer.threads())
         self.config = config
         self.run_dir = RunDir(run_dir)
         self.memory_dim = encoder_dim(config.compression.encoder)  # the width only: no model load
-        policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head)
+        policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head, config.compression.encoder)
         validator = TrajectoryValidator.for_model(policy, self.memory_dim, config.trainer)  # before ZeRO-3 wraps it
         self.engine = build_engine(policy, config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
@@ -82,6 +82,8 @@ class Trainer:
                                        config.topics.trainer_group,
                                        self.state.refused_offsets) if self.is_leader else None
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
+        self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
+        self.run_started: float | None = None  # perf_counter at the start of `run`
         self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
         self.evaluations: list[subprocess.Popen] = []
         self.stopping = False
@@ -115,6 +117,7 @@ class Trainer:
         """Train until `max_steps`, until `expected_trajectories` are handled, or until stopped."""
         cfg = self.config.trainer
         checkpointed_at = self.state.step
+        self.run_started = time.perf_counter()
         try:
             while True:
                 waited = time.perf_counter()
@@ -122,6 +125,7 @@ class Trainer:
                 batch, stop = broadcast_batch(entries, self.is_leader and not entries, self.engine.device)
                 self.phase_s = {"wait": time.perf_counter() - waited, "forward_backward": 0.0, "optimizer": 0.0,
                                 "publish": 0.0}
+                self.idle_s += self.phase_s["wait"]
                 if stop:
                     break
                 trained_version = self.state.policy_version
@@ -199,7 +203,7 @@ class Trainer:
         return []
 
     def _advantage_of(self, trajectory: Trajectory) -> float:
-        return trajectory.total_reward - self.baseline.value(trajectory.task_id, trajectory.env)
+        return trajectory.total_reward - self.baseline.value(trajectory)
 
     # --- training (every rank) ------------------------------------------------------------
 
@@ -241,6 +245,7 @@ class Trainer:
         grad_norm = self.engine.get_global_grad_norm()
         now = time.time()
         trajectories = plan.trajectories
+        attempts = [attempt_success([step.reward for step in t.steps]) for t in trajectories]
         record = StepRecord(
             step=self.state.step, policy_version=trained_version, trained_at=now,
             rewards=[t.total_reward for t in trajectories], advantages=list(plan.advantages),
@@ -251,7 +256,9 @@ class Trainer:
             clip_fraction=stats.clip_fraction, kl_k3=stats.kl_k3, value_loss=stats.value_loss,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), step_s=step_s,
             wait_s=self.phase_s["wait"], forward_backward_s=self.phase_s["forward_backward"],
-            optimizer_s=self.phase_s["optimizer"], publish_s=self.phase_s["publish"])
+            optimizer_s=self.phase_s["optimizer"], publish_s=self.phase_s["publish"],
+            first_attempt_success=[first for first, _ in attempts],
+            second_attempt_success=[second for _, second in attempts])
         self.steps.append(record)
         log.info("step %d: loss %.4f reward %.3f rho %.4f |rho-1| %.2e clip %.3f grad %.2f (%.1f s)",
                  record.step, record.loss, sum(record.rewards) / record.batch_size, record.ratio_mean,
@@ -334,6 +341,8 @@ class Trainer:
                 "skipped_steps": self.skipped_steps,
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine),
+                **process_usage(), "idle_s": self.idle_s,
+                "run_s": time.perf_counter() - self.run_started if self.run_started is not None else 0.0,
                 "steps": [asdict(record) for record in self.steps]}
 
     def _write_status(self, finished: bool = False) -> None:

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Message, TopicPartition
 
 from sao.metrics import TRANSPORT_DUPLICATES, record_delivery
 from sao.schema import SchemaError, Trajectory, decode
@@ -29,6 +29,9 @@ from sao.transport.kafka import MAX_MESSAGE_BYTES, make_consumer
 from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
+
+_GROUP_LOST = {KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION, KafkaError.REBALANCE_IN_PROGRESS,
+               KafkaError._ASSIGNMENT_LOST}
 
 # Room for the record framing and sao's headers when a refused message is re-sent whole.
 _DLQ_HEADROOM_BYTES = 64 * 1024
@@ -169,8 +172,17 @@ class TrajectoryStream:
         if not offsets:
             return
         self.dlq.flush(10)
-        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()],
-                             asynchronous=False)
+        try:
+            self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()],
+                                 asynchronous=False)
+        except KafkaException as err:
+            # A step longer than the group's patience (an overloaded machine) costs the consumer its
+            # membership; the next poll rejoins. Nothing is lost: the next commit (or the checkpoint's
+            # offsets) covers these, and what is read again is dropped as a duplicate.
+            if err.args[0].code() not in _GROUP_LOST:
+                raise
+            log.warning("trajectory offsets not committed: the consumer group dropped this trainer (%s); "
+                        "it rejoins at the next poll", err.args[0].str())
 
     def close(self) -> None:
         self.consumer.close()

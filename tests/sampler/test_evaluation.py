@@ -37,6 +37,7 @@ def test_eval_scores_a_published_version(tiny_config, encoder, tmp_path):
     _publish(policy, tmp_path, 3)
     result = evaluate(tiny_config, tmp_path, version=3, num_tasks=3)
     assert (result["version"], result["tasks"], result["n"]) == (3, 3, 3) and 0 <= result["reward_mean"] <= 1
+    assert (result["second_try_success"], result["second_try_n"]) == (0.0, 3)  # random tokens: wrong twice
     assert sorted(result["per_task"]) == sorted(t.task_id for t in heldout_tasks(tiny_config, 3))
     assert json.loads((tmp_path / "eval" / "v000003.json").read_text()) == result
     with pytest.raises(FileNotFoundError, match=r"kept: \[3\]"):
@@ -51,15 +52,26 @@ def test_the_paired_comparison_writes_the_heldout_figures_and_caches_the_base(ti
     # Same weights, greedy: every task scores the same, so the paired differences are all 0.
     assert first["heldout_final"] == first["heldout_base"] and first["heldout_gain"] == 0
     assert first["heldout_gain_stderr"] == 0
+    # A random tiny model is wrong at both attempts: every task had a second try, none right.
+    for version in ("base", "final"):
+        assert first[f"heldout_second_try_{version}"] == 0.0 and first[f"heldout_second_try_{version}_stderr"] == 0
+    assert first["heldout_second_try_base_n"] == first["heldout_second_try_n"] == 4
+    assert all(scores["second_try"] == 0.0 for task in first["per_task"].values() for scores in task.values())
     assert json.loads((tmp_path / "eval" / "heldout.json").read_text()) == first
     [cached] = (tmp_path / "cache").glob("*.json")
     # A later run reads the base model's scores from the cache (here: doctored, to see them used).
     stored = json.loads(cached.read_text())
-    stored["scores"] = {task: {"first_try": 1.0, "reward": 1.0} for task in stored["scores"]}
+    stored["scores"] = {task: {"first_try": 0.0, "second_try": 1.0, "reward": 0.5} for task in stored["scores"]}
+    stored["scores"][next(iter(stored["scores"]))] = {"first_try": 1.0, "second_try": None, "reward": 1.0}
     cached.write_text(json.dumps(stored))
     again = compare(config, tmp_path, version=1, cap=4)
-    assert again["base_cached"] and again["heldout_base"] == 1.0
-    assert again["heldout_gain"] == pytest.approx(first["heldout_final"] - 1.0)
+    assert again["base_cached"] and again["heldout_base"] == 0.25
+    assert again["heldout_gain"] == pytest.approx(first["heldout_final"] - 0.25)
+    assert (again["heldout_second_try_base"], again["heldout_second_try_base_n"]) == (1.0, 3)
+    # A cache from before second tries were scored is scored again, not read.
+    stored["scores"] = {task: {"first_try": 1.0, "reward": 1.0} for task in stored["scores"]}
+    cached.write_text(json.dumps(stored))
+    assert not compare(config, tmp_path, version=1, cap=4)["base_cached"]
     # Another cap means other tasks: not the cached entry.
     assert not compare(config, tmp_path, version=1, cap=3)["base_cached"]
 

@@ -1,5 +1,7 @@
 """Single-trajectory rollout with the tiny policy: wire-ready, compressed, exactly re-scorable."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -39,11 +41,56 @@ def test_chat_pieces_concatenate_into_the_chat_template(chat):
     assert text == expected
 
 
-def test_default_window_puts_every_earlier_step_in_memory(tiny_config, encoder):
-    assert tiny_config.env.max_turns == 2 and tiny_config.compression.recent_window == 0
-    trajectory = make_roller(tiny_config, encoder).rollout(make_tasks(tiny_config.env, 1)[0], 0)
+def recorded_two_attempt_episode(config, encoder):
+    """A 2-step arithmetic trajectory from the real rollout path (tiny model), its question and feedback."""
+    roller = make_roller(config, encoder)
+    seen = []
+    env_factory = roller.env_factory
+    roller.env_factory = lambda: _Recording(env_factory(), seen)
+    trajectory = roller.rollout(make_tasks(config.env, 1)[0], 0)
+    assert len(trajectory.steps) == 2  # a random tiny model never answers right
+    return roller.chat, trajectory, seen
+
+
+def assert_contexts_are_the_chat_so_far(chat, trajectory, question, feedbacks):
+    """Each step's text context (what the trainer rescores) is exactly the ChatML chat of the
+    episode so far: system / user question / assistant answer / user feedback / ... / assistant."""
+    tok = chat.tokenizer
+    messages = [{"role": "system", "content": chat.system_prompt}, {"role": "user", "content": question}]
+    for step, (inputs, recorded) in enumerate(zip(training_inputs(trajectory), trajectory.steps)):
+        text = tok.decode(np.concatenate([inputs.prompt_ids, inputs.context_ids]).tolist())
+        roles = [turn.split("\n", 1)[0] for turn in text.split("<|im_start|>")[1:]]
+        assert roles == ["system", "user"] + ["assistant", "user"] * step + ["assistant"], f"step {step}: {roles}"
+        assert text == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), (step, text)
+        # Token for token too: every piece around the sampled actions is what the template tokenizes to.
+        pieces = [inputs.prompt_ids] + [s.observation_ids for s in trajectory.steps[:step + 1]]
+        for piece in pieces:
+            assert tok(tok.decode(piece.tolist()), add_special_tokens=False)["input_ids"] == piece.tolist()
+        action = recorded.action_ids[:-1] if int(recorded.action_ids[-1]) in chat.stop.token_ids else recorded.action_ids
+        messages += [{"role": "assistant", "content": tok.decode(action.tolist())}]
+        if step < len(feedbacks):
+            messages += [{"role": "user", "content": feedbacks[step]}]
+
+
+def test_the_second_attempt_sees_the_first_in_a_well_formed_chat(tiny_config, encoder):
+    assert tiny_config.env.max_turns == 2 and tiny_config.compression.recent_window == 1  # the defaults
+    chat, trajectory, seen = recorded_two_attempt_episode(tiny_config, encoder)
+    question = make_env(tiny_config.env).reset(make_tasks(tiny_config.env, 1)[0].spec)
+    assert_contexts_are_the_chat_so_far(chat, trajectory, question, [feedback for _, feedback in seen[:1]])
+    # The first attempt is in the text, so no memory is needed (and none is sent) in a 2-step episode.
+    assert [s.memory_count for s in trajectory.steps] == [0, 0] and len(trajectory.memory.vectors) == 0
+
+
+def test_the_old_layout_is_not_a_well_formed_chat(tiny_config, encoder):
+    """recent_window = 0 (the old default): the retry sees question | memory | feedback, two user
+    turns in a row, without its own first answer. The check above catches it."""
+    config = tiny_config.model_copy(deep=True)
+    config.compression.recent_window = 0
+    chat, trajectory, seen = recorded_two_attempt_episode(config, encoder)
     assert [s.memory_count for s in trajectory.steps] == [0, 1]
-    assert len(trajectory.steps[1].observation_ids) < 40  # only the feedback turn, no replayed history
+    question = make_env(config.env).reset(make_tasks(config.env, 1)[0].spec)
+    with pytest.raises(AssertionError, match=re.escape("step 1: ['system', 'user', 'user', 'assistant']")):
+        assert_contexts_are_the_chat_so_far(chat, trajectory, question, [feedback for _, feedback in seen[:1]])
 
 
 def test_stop_strings_end_actions_and_open_turns_are_closed(tiny_config, encoder):
@@ -69,11 +116,11 @@ def test_stop_strings_end_actions_and_open_turns_are_closed(tiny_config, encoder
             if following is not None:
                 assert (int(following.observation_ids[0]) == marker) != closed
     assert stopped > 0  # the random tiny model does emit "e": the rule was exercised
-    assert all(action.count("e") <= 1 and (not action or "e" not in action[:-1]) for action in seen)
+    assert all(action.count("e") <= 1 and (not action or "e" not in action[:-1]) for action, _ in seen)
 
 
 class _Recording:
-    """Wraps an env and records the action texts it is shown."""
+    """Wraps an env and records the action texts it is shown, with the observation it answered."""
 
     def __init__(self, env, seen):
         self.env, self.seen, self.name = env, seen, env.name
@@ -82,8 +129,9 @@ class _Recording:
         return self.env.reset(spec)
 
     def step(self, action):
-        self.seen.append(action)
-        return self.env.step(action)
+        feedback = self.env.step(action)
+        self.seen.append((action, feedback.observation))
+        return feedback
 
 
 def test_rollout_is_wire_ready_and_rescored_exactly(roller):
@@ -113,9 +161,16 @@ def test_real_smollm2_rollout_is_rescored_exactly(encoder):
     torch.set_num_threads(1)
     policy = build_policy(config.policy, encoder.dim).eval()
     roller = Roller(config, policy, encoder, load_temporal_filter(), "s-real", seed=0)
-    trajectory = decode(encode(roller.rollout(make_tasks(config.env, 1)[0], 0)), Trajectory)
+    seen = []
+    env_factory = roller.env_factory
+    roller.env_factory = lambda: _Recording(env_factory(), seen)
+    task = make_tasks(config.env, 1)[0]
+    trajectory = decode(encode(roller.rollout(task, 0)), Trajectory)
     assert policy.lm.config.vocab_size == 49152 and sum(p.numel() for p in policy.lm.parameters()) > 100e6
     assert all(len(s.action_ids) <= 12 for s in trajectory.steps)
+    # The real model ends its turns itself: its contexts are the chat so far as well.
+    question = make_env(config.env).reset(task.spec)
+    assert_contexts_are_the_chat_so_far(roller.chat, trajectory, question, [feedback for _, feedback in seen])
     inputs = training_inputs(trajectory)
     batch = collate_steps(inputs, encoder.dim, [trajectory.temperature] * len(inputs))
     with torch.no_grad():

@@ -28,13 +28,13 @@ def test_grpo_uses_group_means():
 
 def test_sao_uses_the_running_baseline_and_updates_it_only_once_the_step_is_applied():
     baseline = RewardBaseline(key="env", momentum=0.5)
-    baseline.update("warmup", "arithmetic", 0.5)
+    baseline.update(trajectory("warmup", 0.5))
     cfg = TrainerConfig(whiten_advantages=False)
     plan = plan_batch([trajectory("a", 1.0), trajectory("b", 0.0)], baseline, cfg, policy_version=0)
     assert plan.advantages == pytest.approx([0.5, -0.5])
-    assert baseline.value("c", "arithmetic") == 0.5  # planning leaves it alone: the step may yet be skipped
+    assert baseline.value(trajectory("c", 0.0)) == 0.5  # planning leaves it alone: the step may yet be skipped
     record_rewards(plan, baseline)
-    assert baseline.value("c", "arithmetic") == pytest.approx(0.5 * (0.5 * 0.5 + 0.5 * 1.0) + 0.5 * 0.0)
+    assert baseline.value(trajectory("c", 0.0)) == pytest.approx(0.5 * (0.5 * 0.5 + 0.5 * 1.0) + 0.5 * 0.0)
 
 
 def _gradient(cfg: TrainerConfig, baseline: RewardBaseline) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _gradient(cfg: TrainerConfig, baseline: RewardBaseline) -> torch.Tensor:
 
 def test_single_trajectory_gradient_is_zero_with_group_means_but_not_with_sao():
     baseline = RewardBaseline(key="env", momentum=0.9)
-    baseline.update("seen-before", "arithmetic", 0.3)
+    baseline.update(trajectory("seen-before", 0.3))
     assert _gradient(TrainerConfig(), baseline).abs().sum() > 0
     grpo = TrainerConfig.model_construct(**{**TrainerConfig().model_dump(), "algorithm": "grpo", "group_size": 1})
     assert _gradient(grpo, RewardBaseline()).abs().sum() == 0
@@ -82,3 +82,72 @@ def test_value_head_learns_returns_and_sets_advantages(tiny_config):
     # V starts at 0 (zero-initialised head): squared errors 1 and 0 over 2 trajectories.
     assert first == pytest.approx(0.5)
     assert stats.value_loss < 0.05 * first
+
+
+def _uneven_batch(memory_dim: int) -> list[Trajectory]:
+    """Trajectories of one and two steps with prompts and answers of very different lengths, some with memory."""
+    rng = np.random.default_rng(3)
+    batch = []
+    for index in range(6):
+        steps = [Step(rng.integers(3, 400, int(rng.integers(2, 6))).astype(np.int32),
+                      rng.integers(3, 400, int(rng.integers(2, 30))).astype(np.int32),
+                      rng.normal(-3, 1, 0).astype(np.float32), float(index % 2), False, min(turn, 1))
+                 for turn in range(1 + index % 2)]
+        steps = [Step(s.observation_ids, s.action_ids, rng.normal(-3, 1, len(s.action_ids)).astype(np.float32),
+                      s.reward, s.done, s.memory_count) for s in steps]
+        memory = Memory(rng.integers(-127, 128, (1, memory_dim)).astype(np.int8), np.full(1, 0.01, np.float32),
+                        np.zeros((1, 2), np.int32), np.zeros(1, np.float32))
+        batch.append(Trajectory(f"u{index}#0", f"u{index}", "arithmetic", "s", 0,
+                                rng.integers(3, 400, int(rng.integers(4, 40))).astype(np.int32), steps, memory, 1.0,
+                                "enc", 0))
+    return batch
+
+
+@pytest.mark.parametrize("knobs", [{}, {"importance_level": "sequence"}, {"value_head": True}, {"objective": "ppo"}])
+def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
+    import copy
+
+    from sao.policy.context import training_inputs
+    from sao.policy.weights import build_policy
+    from sao.trainer.batch import length_buckets, rank_loss
+
+    class Engine:
+        def __init__(self, module):
+            self.module, self.device = module, torch.device("cpu")
+
+        def __call__(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    batch = _uneven_batch(8)
+    lengths = [len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids)
+               for t in batch for x in training_inputs(t)]
+    assert len(length_buckets(lengths, 3)) > 1  # the batch is uneven enough to be split
+    torch.manual_seed(0)
+    policy = build_policy(tiny_config.policy, 8, value_head=knobs.get("value_head", False))
+    with torch.no_grad():  # a projector that reads memory, so memory rows matter to the gradient
+        policy.projector.weight.normal_(0, 0.02)
+    results = []
+    for buckets in (1, 3):
+        model = copy.deepcopy(policy)
+        cfg = TrainerConfig(length_buckets=buckets, whiten_advantages=False, **knobs)
+        plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=0)
+        loss, stats = rank_loss(Engine(model), plan, list(range(len(batch))), len(batch), cfg, 8)
+        loss.backward()
+        results.append((loss.detach(), stats, {name: p.grad.clone() for name, p in model.named_parameters()
+                                               if p.grad is not None}))
+    (loss_one, stats_one, grads_one), (loss_many, stats_many, grads_many) = results
+    assert torch.allclose(loss_one, loss_many, atol=1e-5, rtol=1e-5)
+    assert stats_one.tokens == stats_many.tokens and stats_one.ratio_mean == pytest.approx(stats_many.ratio_mean, abs=1e-5)
+    assert grads_one.keys() == grads_many.keys() and "projector.weight" in grads_one
+    for name, grad in grads_one.items():
+        assert torch.allclose(grad, grads_many[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_length_buckets_cut_where_padding_is_largest():
+    from sao.trainer.batch import length_buckets
+
+    lengths = [60, 90, 61, 88, 59, 91]
+    assert [sorted(bucket) for bucket in length_buckets(lengths, 1)] == [[0, 1, 2, 3, 4, 5]]
+    assert sorted(map(sorted, length_buckets(lengths, 2))) == [[0, 2, 4], [1, 3, 5]]
+    assert len(length_buckets(lengths, 4)) == 2  # a third cut would save under 5% of the positions
+    assert len(length_buckets([50, 50, 51], 3)) == 1  # nothing worth cutting

@@ -32,3 +32,11 @@ def test_unreadable_file_names_the_knob(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"trainer\.deepspeed_config"):
         batch_layout(TrainerConfig(deepspeed_config=str(tmp_path / "bad.json")), 1)
+
+
+def test_offload_optimizer_puts_the_optimizer_on_the_cpu_and_the_inline_table_still_wins():
+    assert "offload_optimizer" not in deepspeed_config(TrainerConfig(), 1)["zero_optimization"]
+    zero = deepspeed_config(TrainerConfig(offload_optimizer=True), 1)["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    pinned = TrainerConfig(offload_optimizer=True, deepspeed={"zero_optimization": {"offload_optimizer": {"pin_memory": True}}})
+    assert deepspeed_config(pinned, 1)["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sao.config import TrainerConfig
-from sao.trainer.baselines import RewardBaseline
 from sao.trainer.objectives import LossInputs, policy_loss, whiten
 
 
@@ -103,24 +102,3 @@ def test_whiten():
     assert out.mean().item() == pytest.approx(0, abs=1e-6) and out.std().item() == pytest.approx(1, rel=1e-4)
     assert whiten(torch.tensor([5.0])).tolist() == [0.0]
     assert whiten(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
-
-
-def test_baseline_ema_and_fallback_to_env():
-    baseline = RewardBaseline(key="task_id", momentum=0.5)
-    assert baseline.value("t1", "arith") == 0.0
-    baseline.update("t1", "arith", 1.0)
-    baseline.update("t1", "arith", 0.0)
-    assert baseline.value("t1", "arith") == pytest.approx(0.5)
-    assert baseline.value("unseen", "arith") == pytest.approx(0.5)  # env-level fallback
-    restored = RewardBaseline(key="task_id", momentum=0.5)
-    restored.load_state_dict(baseline.state_dict())
-    assert restored.value("t1", "arith") == baseline.value("t1", "arith")
-
-
-def test_single_trajectory_advantages_are_not_zero():
-    # One trajectory per task: a group mean would give zero advantage; the running baseline does not.
-    baseline = RewardBaseline(key="env", momentum=0.9)
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    baseline.update("warm", "arith", 0.3)
-    advantages = whiten(rewards - torch.tensor([baseline.value(f"t{i}", "arith") for i in range(4)]))
-    assert advantages.abs().sum() > 0

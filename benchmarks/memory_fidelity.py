@@ -1,0 +1,261 @@
+"""Does the policy act as well with sao memory as with the full history? Measured on the LM itself.
+
+    python benchmarks/memory_fidelity.py [--model smollm2-135m-instruct] [--json PATH]
+
+Held-out recorded episodes (labyrinth episodes of >= 100 steps by the scripted noisy expert, and
+multi-turn arithmetic episodes of a stuck learner; seeds no alignment run uses) are replayed
+through the sampler's compressor. Each scored step's recorded action is teacher-forced under
+five contexts:
+  full   - prompt + every earlier step as text (the upper bound, and the KL reference)
+  sao    - prompt + memory soft tokens (aligned projector) + recent window + observation
+  zero   - the same with the zero projector (what a run without alignment reads)
+  recent - prompt + recent window + observation (truncation)
+  none   - prompt + observation
+and the benchmark reports per-action NLL (summed over the action's tokens) and KL(full || context)
+with standard errors, plus the context length (tokens + soft tokens) at steps 10, 100 and 1000
+of a 1000-step labyrinth episode. Headline: gap recovered = (NLL_recent - NLL_sao) /
+(NLL_recent - NLL_full) on the labyrinth; `baseline` is the zero projector's, `ratio` is the gap
+recovered itself; `context_ratio` = sao context / full context at step 1000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CONTEXTS = ("full", "sao", "zero", "recent", "none")
+HELDOUT_SEED = 1_000_003  # alignment corpora use small seeds; these worlds and questions are never trained on
+LENGTH_STEPS = (10, 100, 1000)
+
+
+def long_labyrinth(seed: int, count: int, min_steps: int, max_steps: int):
+    """`count` noisy-expert labyrinth episodes of at least `min_steps` steps (others are skipped)."""
+    from sao.offline.align import labyrinth_corpus
+
+    found, offset = [], 0
+    while len(found) < count and offset < 50:
+        found += [e for e in labyrinth_corpus(seed + offset, 1, max_steps, random_every=0) if len(e) >= min_steps]
+        offset += 1
+    return found
+
+
+def scored_steps(prepared, per_episode: int, rng: random.Random) -> list[int]:
+    """Evenly spread steps that see at least one memory slot (where the contexts differ)."""
+    candidates = [s for s, x in enumerate(prepared.student) if len(x.memory)]
+    if len(candidates) <= per_episode:
+        return candidates
+    stride = len(candidates) / per_episode
+    return [candidates[int(i * stride + rng.random() * stride)] for i in range(per_episode)]
+
+
+def score_episode(policy, item, steps: list[int], batch: int, zero_state, aligned_state) -> list[dict]:
+    """Per scored action: NLL and KL to full text under each context."""
+    import torch
+
+    from sao.offline.align import (
+        action_nll_kl,
+        context_logprobs,
+        episode_full_text_logprobs,
+        no_history_input,
+        without_memory,
+    )
+
+    teacher = episode_full_text_logprobs(policy, item.trajectory)
+    builders = {"sao": lambda s: item.student[s], "zero": lambda s: item.student[s],
+                "recent": lambda s: without_memory(item.student[s]),
+                "none": lambda s: no_history_input(item.trajectory, s)}
+    rows = [{"step": s, "env": item.episode.env} for s in steps]
+    for row, s in zip(rows, steps):
+        row["full"] = action_nll_kl(teacher[s], teacher[s], item.trajectory.steps[s].action_ids)
+    for name, build in builders.items():
+        policy.projector.load_state_dict(zero_state if name == "zero" else aligned_state)
+        with torch.no_grad():
+            for start in range(0, len(steps), batch):
+                chunk = steps[start:start + batch]
+                for s, logprobs, row in zip(chunk, context_logprobs(policy, [build(s) for s in chunk]),
+                                            rows[start:start + batch]):
+                    row[name] = action_nll_kl(teacher[s], logprobs, item.trajectory.steps[s].action_ids)
+    policy.projector.load_state_dict(aligned_state)
+    return rows
+
+
+def gap_recovered(rows: list[dict], context: str) -> float:
+    recent = np.mean([r["recent"][0] for r in rows])
+    full = np.mean([r["full"][0] for r in rows])
+    return float((recent - np.mean([r[context][0] for r in rows])) / (recent - full))
+
+
+def bootstrap_se(rows: list[dict], statistic, draws: int = 1000, seed: int = 0) -> float:
+    rng = np.random.default_rng(seed)
+    values = [statistic([rows[i] for i in rng.integers(0, len(rows), len(rows))]) for _ in range(draws)]
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.std(finite, ddof=1)) if len(finite) > 1 else math.nan
+
+
+def env_summary(rows: list[dict]) -> dict:
+    from sao.offline.align import summarise
+
+    out = {"actions": len(rows)}
+    for context in CONTEXTS:
+        nll, nll_se = summarise([r[context][0] for r in rows])
+        kl, kl_se = summarise([r[context][1] for r in rows])
+        out[context] = {"nll": nll, "nll_se": nll_se, "kl": kl, "kl_se": kl_se}
+    for context in ("sao", "zero"):
+        out[f"gap_recovered_{context}"] = gap_recovered(rows, context)
+        out[f"gap_recovered_{context}_se"] = bootstrap_se(rows, lambda sample, c=context: gap_recovered(sample, c))
+    diff, diff_se = summarise([r["zero"][0] - r["sao"][0] for r in rows])
+    out["nll_zero_minus_sao"], out["nll_zero_minus_sao_se"] = diff, diff_se
+    return out
+
+
+def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: int, longest: int) -> dict:
+    """Tokens + soft tokens the policy reads at steps 10, 100, 1000 (up to `longest`) of one labyrinth episode."""
+    from sao.offline.align import full_text_input, labyrinth_corpus, prepare
+
+    # The random agent almost never finishes, so its episode runs to max_steps.
+    episode = labyrinth_corpus(seed, 1, max_steps=longest + 1, random_every=1)[0]
+    item = prepare([episode], config, encoder, temporal_filter, recent_window)[0]
+    lengths = {}
+    for step in LENGTH_STEPS:
+        if step > longest or step >= len(item.student):
+            continue
+        x, full = item.student[step], full_text_input(item.trajectory, step)
+        full_length, recent_length = len(full.prompt_ids) + len(full.context_ids), len(x.prompt_ids) + len(x.context_ids)
+        replaced = full_length - recent_length  # tokens of the steps memory stands for
+        slots = len(x.memory)
+        lengths[str(step)] = {"full": full_length, "sao": recent_length + slots, "soft_tokens": slots,
+                              "recent": recent_length, "replaced_tokens": replaced,
+                              "tokens_per_slot": replaced / slots if slots else math.nan,
+                              # On the wire: an INT8 slot (dim bytes + a float32 scale) vs the int32 token
+                              # ids it stands for (what a trajectory would carry without memory).
+                              "slot_bytes": slots * (x.memory.shape[1] + 4), "replaced_token_bytes": replaced * 4}
+    return lengths
+
+
+def load_aligned(policy, config, encoder, args, rng_seed: int) -> str:
+    """Put the aligned projector in `policy`: a file, the shipped one, or aligned here (--align-updates)."""
+    from sao.policy.projector import apply_projector_setting
+
+    if args.align_updates == 0:
+        line = apply_projector_setting(policy.projector, args.projector, config.policy.model, config.compression.encoder)
+        if "aligned" not in line:
+            raise SystemExit(f"{line}\nno aligned projector: run `sao compression align` or pass --align-updates N")
+        return line
+    from sao.compression.temporal import load_temporal_filter
+    from sao.offline.align import align_projector, labyrinth_corpus, prepare, tutoring_corpus
+
+    temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
+    corpus = labyrinth_corpus(rng_seed, args.align_episodes, args.max_steps) + tutoring_corpus(rng_seed, args.align_episodes)
+    train = prepare(corpus, config, encoder, temporal_filter, args.recent_window)
+    align_projector(policy, train, args.align_updates, args.align_lr, batch_size=4, seed=rng_seed)
+    return f"memory projector: aligned here ({args.align_updates} updates on {len(corpus)} episodes, seed {rng_seed})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="policy.model (tiny for a quick check)")
+    parser.add_argument("--projector", default="auto", help="aligned projector: auto (shipped) or a file")
+    parser.add_argument("--labyrinth-episodes", type=int, default=2, help="held-out labyrinth episodes (>= --min-steps)")
+    parser.add_argument("--tutoring-episodes", type=int, default=4, help="held-out multi-turn arithmetic episodes")
+    parser.add_argument("--min-steps", type=int, default=100, help="labyrinth episodes shorter than this are skipped")
+    parser.add_argument("--max-steps", type=int, default=160, help="labyrinth step limit of the scored episodes")
+    parser.add_argument("--steps-per-episode", type=int, default=24, help="scored actions per episode")
+    parser.add_argument("--recent-window", type=int, default=1, help="finished steps in full text")
+    parser.add_argument("--batch", type=int, default=4, help="contexts per forward pass")
+    parser.add_argument("--align-updates", type=int, default=0, help="align a projector here first (tests, tiny)")
+    parser.add_argument("--align-episodes", type=int, default=2, help="with --align-updates: episodes per env")
+    parser.add_argument("--align-lr", type=float, default=1e-3, help="with --align-updates: learning rate")
+    parser.add_argument("--longest-step", type=int, default=1000, help="context lengths are measured up to this step")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from sao.compression.semantic import load_encoder
+    from sao.compression.temporal import load_temporal_filter
+    from sao.config import load_config
+    from sao.offline.align import prepare, tutoring_corpus
+    from sao.policy.weights import build_policy
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    config = load_config(overrides=[f'policy.model="{args.model}"'], environ={})
+    encoder = load_encoder(config.compression.encoder)
+    temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
+    policy = build_policy(config.policy, encoder.dim).eval()
+    zero_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
+    projector_line = load_aligned(policy, config, encoder, args, rng_seed=0)
+    aligned_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
+    episodes = (long_labyrinth(HELDOUT_SEED, args.labyrinth_episodes, args.min_steps, args.max_steps)
+                + tutoring_corpus(HELDOUT_SEED, args.tutoring_episodes))
+    prepared = prepare(episodes, config, encoder, temporal_filter, args.recent_window)
+    rng = random.Random(0)
+    rows: list[dict] = []
+    progress = Console(stderr=True)
+    for index, item in enumerate(prepared):
+        rows += score_episode(policy, item, scored_steps(item, args.steps_per_episode, rng), args.batch,
+                              zero_state, aligned_state)
+        progress.print(f"scored episode {index + 1}/{len(prepared)} ({item.episode.env}, {len(item.episode)} steps) "
+                       f"at {time.perf_counter() - started:.0f} s")
+    by_env = {env: env_summary([r for r in rows if r["env"] == env]) for env in sorted({r["env"] for r in rows})}
+    lengths = context_lengths(config, encoder, temporal_filter, args.recent_window, HELDOUT_SEED, args.longest_step)
+    longest = lengths[max(lengths, key=int)]
+    context_ratio = longest["sao"] / longest["full"]
+    lab = by_env.get("textworld") or next(iter(by_env.values()))
+
+    console = Console()
+    console.print(projector_line)
+    for env, summary in by_env.items():
+        table = Table(title=f"{env}: {summary['actions']} held-out actions, teacher-forced (mean ± s.e.)")
+        for column in ("context", "NLL / action", "KL(full || context) / action"):
+            table.add_column(column, justify="right")
+        for context in CONTEXTS:
+            s = summary[context]
+            table.add_row(context, f"{s['nll']:.3f} ± {s['nll_se']:.3f}", f"{s['kl']:.3f} ± {s['kl_se']:.3f}")
+        console.print(table)
+        console.print(f"gap recovered: aligned {summary['gap_recovered_sao']:.3f} ± {summary['gap_recovered_sao_se']:.3f}, "
+                      f"zero projector {summary['gap_recovered_zero']:.3f} ± {summary['gap_recovered_zero_se']:.3f}; "
+                      f"NLL zero - aligned {summary['nll_zero_minus_sao']:+.3f} ± {summary['nll_zero_minus_sao_se']:.3f}")
+    lengths_table = Table(title=f"context length (tokens + soft tokens), recent window {args.recent_window}")
+    for column in ("step", "full text", "sao", "of which soft tokens", "recent window alone", "sao / full",
+                   "tokens per slot", "slot bytes / replaced token bytes"):
+        lengths_table.add_column(column, justify="right")
+    for step, figures in lengths.items():
+        lengths_table.add_row(step, str(figures["full"]), str(figures["sao"]), str(figures["soft_tokens"]),
+                              str(figures["recent"]), f"{figures['sao'] / figures['full']:.3f}",
+                              f"{figures['tokens_per_slot']:.1f}",
+                              f"{figures['slot_bytes'] / max(figures['replaced_token_bytes'], 1):.2f}")
+    console.print(lengths_table)
+    seconds = time.perf_counter() - started
+    console.print(f"{seconds:.0f} s, {args.threads} thread(s)")
+    result = {
+        "headline": {"metric": "gap recovered (labyrinth, aligned projector)", "value": lab["gap_recovered_sao"],
+                     "baseline": lab["gap_recovered_zero"], "ratio": lab["gap_recovered_sao"],
+                     "unit": "fraction of the truncation NLL gap"},
+        "context_ratio": context_ratio, "gap_recovered_se": lab["gap_recovered_sao_se"],
+        "model": args.model, "projector": projector_line, "recent_window": args.recent_window,
+        "envs": by_env, "context_lengths": lengths, "seconds": seconds, "threads": args.threads,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "actions": [{"env": r["env"], "step": r["step"], **{c: list(r[c]) for c in CONTEXTS}} for r in rows],
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, allow_nan=True))
+
+
+if __name__ == "__main__":
+    main()

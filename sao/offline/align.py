@@ -1,0 +1,258 @@
+"""Align the memory projector by distillation: the LM reading full text teaches the LM reading memory.
+
+Teacher: the frozen LM reading the task prompt and every earlier step as text. Student: the same
+LM reading what the sampler shows it - prompt, one soft token per visible memory slot, the recent
+window in full, the current observation. The loss is the KL from the teacher's next-token
+distribution to the student's at every recorded action token; only the projector learns, the LM
+stays frozen. Steps whose context holds no memory slot are skipped: the projector cannot change
+them. Everything is seeded and runs in a fixed order, so one thread reproduces a run bit for bit.
+
+The teacher is cheap: its context for step t is a prefix of the whole episode's text, so one
+forward pass over the episode scores every action. Training keeps the teacher's top-k tokens
+per action token (renormalised) to bound memory; evaluation uses the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sao.config import SaoConfig
+from sao.envs.registry import generation_settings
+from sao.offline.episodes import Episode, EpisodeStep, replay_episode
+from sao.policy.chat import ChatFormat
+from sao.policy.context import StepInput, step_tokens, training_inputs
+from sao.policy.loading import load_tokenizer
+from sao.policy.model import MemoryPolicy, collate_steps
+from sao.schema import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedEpisode:
+    """A recorded episode replayed as the sampler would have built it, plus its teacher targets."""
+
+    episode: Episode
+    trajectory: Trajectory
+    student: list[StepInput]  # prompt + memory + recent window + observation + action, per step
+    teacher_top: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per step: (token ids [n, k], probs [n, k])
+
+
+def chat_formats(config: SaoConfig, envs: Sequence[str]) -> dict[str, ChatFormat]:
+    """The sampler's chat format for each env (system prompt and stop strings differ per env)."""
+    tokenizer = load_tokenizer(config.policy.model, config.policy.cache_dir)
+    formats = {}
+    for env in sorted(set(envs)):
+        settings = generation_settings(config.model_copy(update={"env": config.env.model_copy(update={"name": env})}))
+        formats[env] = ChatFormat(tokenizer, settings.system_prompt, settings.stop)
+    return formats
+
+
+def prepare(episodes: Sequence[Episode], config: SaoConfig, encoder, temporal_filter,
+            recent_window: int) -> list[PreparedEpisode]:
+    """Replay each episode through the compressor (exactly the sampler's memory) into student inputs."""
+    chats = chat_formats(config, [e.env for e in episodes])
+    prepared = []
+    for episode in episodes:
+        trajectory, _ = replay_episode(episode, chats[episode.env], encoder, temporal_filter.fork(),
+                                       recent_window=recent_window)
+        prepared.append(PreparedEpisode(episode, trajectory, training_inputs(trajectory)))
+    return prepared
+
+
+def full_text_input(trajectory: Trajectory, step: int) -> StepInput:
+    """Step `step` with every earlier step as text and no memory: the teacher's context."""
+    finished = [(s.observation_ids, s.action_ids) for s in trajectory.steps[:step]]
+    current = trajectory.steps[step]
+    return StepInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
+                     step_tokens(finished, current.observation_ids, len(finished)), current.action_ids)
+
+
+def without_memory(student: StepInput) -> StepInput:
+    """The same step without its memory slots: the recent window alone (truncation)."""
+    return StepInput(student.prompt_ids, np.zeros((0, student.memory.shape[1]), np.float32), student.context_ids,
+                     student.action_ids)
+
+
+def no_history_input(trajectory: Trajectory, step: int) -> StepInput:
+    current = trajectory.steps[step]
+    return StepInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
+                     np.asarray(current.observation_ids, np.int32), current.action_ids)
+
+
+def _head(policy: MemoryPolicy, hidden: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(policy.lm.get_output_embeddings()(hidden).float(), dim=-1)
+
+
+def episode_full_text_logprobs(policy: MemoryPolicy, trajectory: Trajectory) -> list[torch.Tensor]:
+    """Teacher log-probs [n_t, V] of every step's action tokens, from one pass over the whole episode."""
+    pieces, targets, position = [np.asarray(trajectory.prompt_ids, np.int64)], [], len(trajectory.prompt_ids)
+    for step in trajectory.steps:
+        position += len(step.observation_ids)
+        targets.append(torch.arange(position - 1, position - 1 + len(step.action_ids)))
+        position += len(step.action_ids)
+        pieces += [np.asarray(step.observation_ids, np.int64), np.asarray(step.action_ids, np.int64)]
+    ids = torch.from_numpy(np.concatenate(pieces)).unsqueeze(0).to(policy.projector.weight.device)
+    with torch.no_grad():
+        hidden = policy.lm.base_model(input_ids=ids).last_hidden_state[0]
+        return [_head(policy, hidden[positions]) for positions in targets]
+
+
+def context_logprobs(policy: MemoryPolicy, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
+    """Log-probs [n_i, V] at each input's action tokens, one batched forward (grad flows to the projector)."""
+    batch = collate_steps(list(inputs), policy.memory_dim).to(policy.projector.weight.device)
+    embeds = policy._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
+    hidden = policy.lm.base_model(inputs_embeds=embeds, attention_mask=batch.attention_mask).last_hidden_state
+    out = []
+    for row, x in enumerate(inputs):
+        end = len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids)
+        out.append(_head(policy, hidden[row, end - len(x.action_ids) - 1:end - 1]))
+    return out
+
+
+def action_nll_kl(teacher: torch.Tensor, student: torch.Tensor, action_ids) -> tuple[float, float]:
+    """One action's NLL (summed over its tokens) under `student`, and its KL(teacher || student) summed."""
+    ids = torch.as_tensor(np.asarray(action_ids, np.int64), device=student.device)
+    nll = -student.gather(-1, ids[:, None]).sum()
+    kl = (teacher.exp() * (teacher - student)).sum()
+    return float(nll), float(kl)
+
+
+def attach_teacher(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], top_k: int) -> None:
+    """Keep each action token's top-k teacher tokens and their renormalised probabilities."""
+    for item in prepared:
+        tops = []
+        for logprobs in episode_full_text_logprobs(policy, item.trajectory):
+            values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+            tops.append((indices, torch.softmax(values, dim=-1)))
+        item.teacher_top = tops
+
+
+def memory_steps(prepared: Sequence[PreparedEpisode]) -> list[tuple[int, int]]:
+    """(episode, step) pairs whose student context holds at least one memory slot."""
+    return [(e, s) for e, item in enumerate(prepared) for s, x in enumerate(item.student) if len(x.memory)]
+
+
+def distillation_loss(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode],
+                      pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Mean over action tokens of the cross-entropy from the top-k teacher to the student."""
+    inputs = [prepared[e].student[s] for e, s in pairs]
+    total, tokens = 0.0, 0
+    for (e, s), logprobs in zip(pairs, context_logprobs(policy, inputs)):
+        indices, probs = prepared[e].teacher_top[s]
+        total = total - (probs * logprobs.gather(-1, indices)).sum()
+        tokens += len(indices)
+    return total / max(tokens, 1)
+
+
+@torch.no_grad()
+def mean_kl(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: Sequence[tuple[int, int]],
+            batch_size: int = 8) -> float:
+    """Full-vocabulary KL(teacher || student) per action token, averaged over the given steps."""
+    teachers = {e: episode_full_text_logprobs(policy, prepared[e].trajectory) for e in sorted({e for e, _ in pairs})}
+    total, tokens = 0.0, 0
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start:start + batch_size]
+        students = context_logprobs(policy, [prepared[e].student[s] for e, s in chunk])
+        for (e, s), student in zip(chunk, students):
+            teacher = teachers[e][s]
+            total += float((teacher.exp() * (teacher - student)).sum())
+            tokens += len(teacher)
+    return total / max(tokens, 1)
+
+
+def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], steps: int, lr: float = 1e-3,
+                    batch_size: int = 8, seed: int = 0, top_k: int = 64,
+                    progress: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train `policy.projector` (only) by distillation; returns the loss of every update.
+
+    The LM's parameters are frozen for the duration and restored to their previous
+    `requires_grad` afterwards.
+    """
+    if any(item.teacher_top is None for item in prepared):
+        attach_teacher(policy, prepared, top_k)
+    pairs = memory_steps(prepared)
+    if not pairs:
+        raise ValueError("no step of these episodes sees a memory slot: use longer episodes or a smaller "
+                         "recent window")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    frozen = {name: p.requires_grad for name, p in policy.lm.named_parameters()}
+    for p in policy.lm.parameters():
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.projector.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    try:
+        for update in range(steps):
+            batch = rng.sample(pairs, min(batch_size, len(pairs)))
+            loss = distillation_loss(policy, prepared, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            if progress is not None:
+                progress(update, losses[-1])
+    finally:
+        for name, p in policy.lm.named_parameters():
+            p.requires_grad_(frozen[name])
+    return losses
+
+
+# ---- corpora: scripted episodes of the two built-in multi-step envs --------------------------------
+
+def labyrinth_corpus(seed: int, count: int, max_steps: int = 400, random_every: int = 5) -> list[Episode]:
+    """Labyrinth episodes of varied size by the noisy expert (every `random_every`-th by the random agent)."""
+    from sao.config import EnvConfig
+    from sao.envs.textworld import TextWorldEnv
+    from sao.envs.textworld_agents import make_agent
+    from sao.offline.episodes import record_episode
+
+    rng = random.Random(seed)
+    env, episodes = TextWorldEnv(), []
+    for index in range(count):
+        options = {"size": rng.choice([6, 8, 10]), "gems": rng.randint(2, 4), "locked_doors": rng.randint(0, 2),
+                   "max_steps": max_steps}
+        task = TextWorldEnv.make_tasks(EnvConfig(name="textworld", seed=seed, options=options), 1, index)[0]
+        kind = "random" if random_every and index % random_every == random_every - 1 else "noisy"
+        agent = make_agent(kind, seed=seed * 1000 + index, noise=rng.choice([0.1, 0.2, 0.3]))
+        episodes.append(record_episode(env, task.task_id, task.spec, agent))
+    return episodes
+
+
+def tutoring_corpus(seed: int, count: int) -> list[Episode]:
+    """Multi-turn arithmetic episodes of a stuck learner (10-40 tries under 'incorrect' feedback)."""
+    from sao.offline.default_weights import arithmetic_questions, long_episode
+
+    rng = random.Random(seed)
+    episodes = []
+    for index, (question, answer) in enumerate(arithmetic_questions(seed, count)):
+        texts = long_episode(rng, question, answer)
+        steps = []
+        for turn, text in enumerate(texts):
+            observation, action = text.rsplit("\n", 1)  # actions are one line; a question may not be
+            numbers = re.findall(r"-?\d+", action)
+            right = bool(numbers) and int(numbers[-1]) == answer
+            steps.append(EpisodeStep(observation, action, 1.0 if right else 0.0, turn == len(texts) - 1))
+        episodes.append(Episode("arithmetic", f"tutoring-{seed}-{index}", steps, "stuck-learner"))
+    return episodes
+
+
+def summarise(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    if n == 1:
+        return mean, math.nan
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)

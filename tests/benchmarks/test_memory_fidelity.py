@@ -1,0 +1,43 @@
+"""benchmarks/memory_fidelity.py in a tiny configuration: the JSON's shape and consistency (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_memory_fidelity_tiny(tmp_path):
+    out = tmp_path / "fidelity.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "memory_fidelity.py"), "--model", "tiny",
+               "--labyrinth-episodes", "1", "--tutoring-episodes", "1", "--min-steps", "12", "--max-steps", "16",
+               "--steps-per-episode", "4", "--align-updates", "2", "--align-episodes", "1", "--longest-step", "100",
+               "--json", str(out)]
+    subprocess.run(command, check=True, cwd=ROOT, capture_output=True, timeout=1200)
+    result = json.loads(out.read_text())
+    headline = result["headline"]
+    assert set(headline) == {"metric", "value", "baseline", "ratio", "unit"}
+    assert headline["ratio"] == headline["value"]
+    assert set(result["envs"]) == {"textworld", "arithmetic"}
+    for summary in result["envs"].values():
+        assert summary["actions"] > 0
+        full = summary["full"]
+        assert full["kl"] == pytest.approx(0.0, abs=1e-5)  # the reference against itself
+        for context in ("sao", "zero", "recent", "none"):
+            assert math.isfinite(summary[context]["nll"]) and summary[context]["nll"] > 0
+            assert summary[context]["kl"] >= -1e-5
+        # The zero projector's soft tokens are zero vectors, not absent ones: its NLL differs from truncation's,
+        # but the aligned projector must differ from it (it was trained).
+        assert summary["sao"]["nll"] != summary["zero"]["nll"]
+    lengths = result["context_lengths"]
+    assert set(lengths) == {"10", "100"}
+    assert lengths["100"]["full"] > lengths["10"]["full"]
+    assert lengths["100"]["sao"] < lengths["100"]["full"]
+    assert result["context_ratio"] == pytest.approx(lengths["100"]["sao"] / lengths["100"]["full"])
