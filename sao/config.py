@@ -236,7 +236,8 @@ class TrainerConfig(Section):
     length_buckets: int = Field(
         2, ge=1, description="At most this many forward passes per micro-batch: rows (steps) are sorted by length and "
                              "split where that cuts the right-padding most (same loss and gradient, fewer positions "
-                             "computed); 1 = one padded pass. A split that saves under 5% of the positions is not made.")
+                             "computed); 1 = one padded pass. A split that saves under 5% of the positions is not made. "
+                             "With more than one rank it is 1: every rank must make the same ZeRO-3 forward passes.")
     torch_threads: int | Literal["auto"] = Field(
         1, description="torch threads of the trainer process; auto = the CPUs in the process's affinity mask "
                        "(after trainer.cpu_affinity is applied).")

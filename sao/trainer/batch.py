@@ -19,6 +19,7 @@ from sao.policy.context import training_inputs
 from sao.policy.model import ScoringBatch, collate_steps
 from sao.schema import Trajectory
 from sao.trainer.baselines import RewardBaseline
+from sao.trainer.distributed import world_size
 from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
 
 
@@ -152,7 +153,9 @@ def _score(engine, scoring: ScoringBatch, max_buckets: int, with_values: bool = 
     The loss is taken once over the reassembled tensors, so nothing else changes.
     """
     lengths = scoring.attention_mask.sum(dim=1).tolist()
-    buckets = length_buckets(lengths, max_buckets)
+    # ZeRO-3 gathers each layer's parameters collectively in every forward pass: ranks scoring their
+    # own rows must make the same number of passes, or the collectives pair up wrongly and hang.
+    buckets = length_buckets(lengths, max_buckets if world_size() == 1 else 1)
     if len(buckets) <= 1:
         return engine(scoring, with_values=True) if with_values else engine(scoring)
     width = scoring.token_ids.shape[1]
