@@ -22,7 +22,7 @@ from rich.table import Table
 
 from sao.config import SaoConfig
 from sao.run_dir import RunDir
-from sao.stats import finite, mean, stderr
+from sao.stats import finite, mean, percentile, stderr
 from sao.status import StepRecord, per_trajectory, read_all_status, read_status, trainer_steps
 
 PLOTS = ("reward", "throughput", "staleness", "compression_ratio", "training")
@@ -132,17 +132,6 @@ def _heldout_figures(layout: RunDir) -> dict[str, Any]:
 ROLES = ("trainer", "samplers", "broker", "launcher")
 
 
-def _percentile(values: list[Any], q: float) -> float | None:
-    """The q-th percentile (0..100) of the finite values, interpolated linearly; None when there are none."""
-    kept = sorted(finite(values))
-    if not kept:
-        return None
-    position = (len(kept) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(kept) - 1)
-    return kept[low] + (kept[high] - kept[low]) * (position - low)
-
-
 def _ratio(part: Any, whole: Any) -> float | None:
     return part / whole if isinstance(part, (int, float)) and isinstance(whole, (int, float)) and whole > 0 else None
 
@@ -211,10 +200,10 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         **cpu_accounting(layout, trainer, samplers, duration_s),
         # Per trajectory, from its creation in a sampler to the step that trained it: seconds, and
         # policy versions (the trained step's version minus the behaviour version, i.e. its staleness).
-        "sampling_to_training_s_p50": _percentile(per_trajectory(steps, "sampling_to_training_s"), 50),
-        "sampling_to_training_s_p95": _percentile(per_trajectory(steps, "sampling_to_training_s"), 95),
-        "sampling_to_training_steps_p50": _percentile(per_trajectory(steps, "staleness"), 50),
-        "sampling_to_training_steps_p95": _percentile(per_trajectory(steps, "staleness"), 95),
+        "sampling_to_training_s_p50": percentile(per_trajectory(steps, "sampling_to_training_s"), 50),
+        "sampling_to_training_s_p95": percentile(per_trajectory(steps, "sampling_to_training_s"), 95),
+        "sampling_to_training_steps_p50": percentile(per_trajectory(steps, "staleness"), 50),
+        "sampling_to_training_steps_p95": percentile(per_trajectory(steps, "staleness"), 95),
         "model": config.policy.model,
     }
 

@@ -26,6 +26,17 @@ def stderr(values: list[float]) -> float | None:
     return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
 
 
+def percentile(values: list[Any], q: float) -> float | None:
+    """The q-th percentile (0..100) of the finite values, interpolated linearly; None when there are none."""
+    kept = sorted(finite(values))
+    if not kept:
+        return None
+    position = (len(kept) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(kept) - 1)
+    return kept[low] + (kept[high] - kept[low]) * (position - low)
+
+
 def paired_gain(base: list[float], final: list[float]) -> tuple[float | None, float | None]:
     """Mean of the per-item differences final - base, and its standard error."""
     if len(base) != len(final):

@@ -33,6 +33,7 @@ from sao.policy.context import StepInput, step_tokens, training_inputs
 from sao.policy.loading import load_tokenizer
 from sao.policy.model import MemoryPolicy, collate_steps
 from sao.schema import Trajectory
+from sao.stats import stderr
 
 logger = logging.getLogger(__name__)
 
@@ -247,12 +248,7 @@ def tutoring_corpus(seed: int, count: int) -> list[Episode]:
 
 
 def summarise(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error."""
-    n = len(values)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(values) / n
-    if n == 1:
-        return mean, math.nan
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
+    """Mean and standard error (sao/stats.py's); NaN where there are too few values."""
+    values = list(values)
+    error = stderr(values)
+    return (sum(values) / len(values) if values else math.nan), (math.nan if error is None else error)
