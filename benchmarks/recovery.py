@@ -1,6 +1,6 @@
 """Crash recovery: kill -9 a sampler and the trainer mid-run, restart them, and count what it cost.
 
-    python benchmarks/recovery.py [--model smollm2-135m-instruct] [--tasks 48] [--batch-size 8] [--seed 0]
+    python benchmarks/recovery.py [--model smollm2-135m-instruct] [--tasks 64] [--batch-size 8] [--seed 0]
                                   [--timeout-s 3600] [--run-dir DIR] [--json PATH]
 
 One run on an embedded broker, started as `sao run` starts it (sao/launcher.py: the same `sao trainer`
@@ -163,6 +163,7 @@ class CrashRun:
         ended = record["trained_at"] - record["publish_s"]  # the record is written after the publish
         collecting = ended - record["step_s"] - record["wait_s"]
         return {"to_first_step_s": ended - since, "start_up_s": collecting - since, "wait_s": record["wait_s"],
+                "start_up_phases_s": self._trainer_status().get("startup_s", {}),
                 "step_s": record["step_s"], "step": record["step"], "policy_version": record["policy_version"]}
 
     def _until(self, condition, what: str, may_end: bool = False) -> None:
@@ -281,10 +282,15 @@ def trainer_figures(crash: dict, cold: dict, produced: list[dict], again: list[d
             "seconds_into_next_step": crash["seconds_into_next_step"], "rolled_back_steps": rolled_back_steps,
             "restart_to_first_step_s": crash["to_first_step_s"], "restart_start_up_s": crash["start_up_s"],
             "restart_wait_s": crash["wait_s"], "restart_step_s": crash["step_s"],
+            "restart_start_up_phases_s": crash["start_up_phases_s"], "cold_start_up_phases_s": cold["start_up_phases_s"],
             "cold_to_first_step_s": cold["to_first_step_s"], "cold_start_up_s": cold["start_up_s"],
             "cold_wait_s": cold["wait_s"], "cold_step_s": cold["step_s"],
             "reread_from_kafka": len(reread), "reread_rollout_s": sum(p["rollout_s"] for p in reread),
             "produced_again": len(beyond), "generation_seconds_lost": sum(r["rollout_s"] for r in beyond)}
+
+
+def _phases(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{phase} {value:.1f}" for phase, value in seconds.items()) + " s" if seconds else "n/a"
 
 
 # --- the script -------------------------------------------------------------------------------------
@@ -342,6 +348,7 @@ def print_result(console: Console, result: dict) -> None:
         ("trainer: restart -> first optimizer step", f"{trainer['restart_to_first_step_s']:.1f} s"),
         ("  start-up / wait for a batch / step", f"{trainer['restart_start_up_s']:.1f} / {trainer['restart_wait_s']:.1f}"
                                                  f" / {trainer['restart_step_s']:.1f} s"),
+        ("  start-up phases after imports", _phases(trainer["restart_start_up_phases_s"])),
         ("trainer: cold start -> first step (baseline)", f"{trainer['cold_to_first_step_s']:.1f} s"),
         ("  start-up / wait for a batch / step", f"{trainer['cold_start_up_s']:.1f} / {trainer['cold_wait_s']:.1f}"
                                                  f" / {trainer['cold_step_s']:.1f} s"),
@@ -367,7 +374,7 @@ def print_result(console: Console, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--tasks", type=int, default=48)
+    parser.add_argument("--tasks", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8, help="trainer.batch_size")
     parser.add_argument("--seed", type=int, default=0, help="of the task stream and of the kill moments")
     parser.add_argument("--timeout-s", type=float, default=3600, help="run.timeout_s: give up after this long")

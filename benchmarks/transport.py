@@ -11,13 +11,15 @@ separate processes too):
   idempotence, linger 5 ms) plus only what this broker and these sizes need (message.max.bytes;
   the consumer's fetch.wait.max.ms 20, which is Tansu's latency floor, the same as sao's). The
   producer sends pre-encoded bytes of the trajectory's size without waiting; nothing is decoded.
-- `sao`: what a sampler does per finished trajectory, `deliver_and_wait(RenewingProducer,
-  encode(trajectory))` with `sao.transport.kafka.producer_config` (acks=all, idempotence), and
-  what the trainer does to get a trajectory into its buffer: `TrajectoryStream.poll` (sao's
-  consumer settings, size check, msgpack decode, dedup, `TrajectoryValidator`, staleness gate).
-- `sao-pipelined`: sao's producer settings, encode and consumer path, but produced without
-  waiting for each acknowledgement (as `bare` does): the difference to `sao` is the per-message
-  wait, the difference to `bare` is settings + encode + decode + validation.
+- `sao`: what a sampler does per finished trajectory, `encode(trajectory)` and
+  `Outbox.send` (sao/sampler/outbox.py: a RenewingProducer with `producer_config`, acks=all and
+  idempotence; the task finishes on the acknowledgement, served by `Outbox.poll`, while the
+  sampler goes on), and what the trainer does to get a trajectory into its buffer:
+  `TrajectoryStream.poll` (sao's consumer settings, size check, msgpack decode, dedup,
+  `TrajectoryValidator`, staleness gate).
+- `sao-blocking`: the same, but the producer blocks on each acknowledgement
+  (`deliver_and_wait`), as sao's sampler did before the outbox: the difference to `sao` is the
+  per-message wait, the difference of `sao` to `bare` is settings + encode + decode + validation.
 
 Arms alternate order from one size and repeat to the next, so a contended machine hurts each
 alike. Two phases per run: throughput (all messages as fast as the path goes: first produce call
@@ -46,7 +48,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-ARMS = ("bare", "sao", "sao-pipelined")
+ARMS = ("bare", "sao", "sao-blocking")
 MEMORY_DIM = 384  # all-MiniLM-L6-v2, the default encoder
 VOCAB = 49152  # SmolLM2's vocabulary, the default policy
 _UNITS = {"B": 1, "KB": 1024, "MB": 1024 * 1024}
@@ -146,14 +148,26 @@ def _sender(arm: str, bootstrap: str):
         producer = Producer({"bootstrap.servers": bootstrap, "message.max.bytes": _BARE_MESSAGE_MAX})
         return _async_send(producer), lambda: _flush(producer)
 
+    from sao.sampler.outbox import Outbox
     from sao.transport.health import BrokerWatch
     from sao.transport.kafka import RenewingProducer, deliver_and_wait
 
     watch = BrokerWatch(bootstrap, f"bench-{arm}", loss_timeout_s=60)
     producer = RenewingProducer(bootstrap, watch)  # the sampler's producer, with producer_config
-    if arm == "sao":
+    if arm == "sao-blocking":
         return (lambda topic, value, key: deliver_and_wait(producer, topic, value, key=key)), lambda: _flush(producer)
-    return _async_send(producer), lambda: _flush(producer)
+    outboxes: dict[str, Outbox] = {}
+
+    def send(topic: str, value: bytes, key) -> None:
+        outbox = outboxes.setdefault(topic, Outbox(producer, topic))
+        outbox.send(value, key, lambda _ack_s: None)  # a sampler finishes the task here
+        outbox.poll()  # as the sampler's loop does between generation steps
+
+    def finish() -> None:
+        for outbox in outboxes.values():
+            outbox.drain(timeout_s=60)
+
+    return send, finish
 
 
 def _async_send(producer):
@@ -387,7 +401,7 @@ def summarise(runs: list[dict], sizes: list[int]) -> dict:
                 "duplicates": sum(r["duplicates"] for r in mine),
                 "dead_lettered": sum(r.get("dead_lettered", 0) for r in mine),
             }
-        for arm in ("sao", "sao-pipelined"):
+        for arm in ("sao", "sao-blocking"):
             if arm in row and "bare" in row:
                 row[arm]["ratio_to_bare"] = row[arm]["messages_per_s"] / row["bare"]["messages_per_s"]
         table[str(size)] = row

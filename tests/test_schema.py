@@ -120,3 +120,68 @@ def test_garbage_is_a_decode_error(data):
     with pytest.raises(SchemaError) as err:
         decode(data, Trajectory)
     assert err.value.reason in {"decode-error", "schema-version"}
+
+
+# --- the decoder checks all steps' numbers at once: the field named must not change ------------
+
+def _logprob(step: int, value: float):
+    return lambda o: o["steps"][step].update(
+        behaviour_logprobs=pack_array(np.array([-0.1, value, -0.5], np.float32), np.float32))
+
+
+def _reward(step: int, value):
+    return lambda o: o["steps"][step].update(reward=value)
+
+
+def _broken_actions(step: int):
+    return lambda o: o["steps"][step]["action_ids"].update(dtype="<f8")
+
+
+@pytest.mark.parametrize("mutations, field", [
+    ([_logprob(2, 0.5)], "steps[2].behaviour_logprobs"),
+    ([_logprob(3, float("nan"))], "steps[3].behaviour_logprobs"),
+    ([_logprob(1, float("-inf"))], "steps[1].behaviour_logprobs"),
+    ([_logprob(3, float("inf"))], "steps[3].behaviour_logprobs"),
+    ([_reward(2, float("inf"))], "steps[2].reward"),
+    ([_reward(3, float("nan"))], "steps[3].reward"),
+    # With several faults, the one named is the first a step-by-step reading meets:
+    ([_reward(1, float("nan")), _logprob(1, float("nan"))], "steps[1].behaviour_logprobs"),  # log-probs first
+    ([_logprob(2, 0.5), _reward(1, float("inf"))], "steps[1].reward"),
+    ([_logprob(1, 0.5), _broken_actions(3)], "steps[1].behaviour_logprobs"),  # a bad number before a broken array
+    ([_logprob(3, 0.5), _broken_actions(2)], "steps[2].action_ids"),
+])
+def test_bad_numbers_are_named_by_step(mutations, field):
+    obj = msgpack.unpackb(encode(make_trajectory(steps=4)), raw=False)
+    for mutation in mutations:
+        mutation(obj)
+    with pytest.raises(SchemaError) as err:
+        decode(msgpack.packb(obj, use_bin_type=True), Trajectory)
+    assert (err.value.reason, err.value.field) == ("invalid-field", field)
+
+
+@pytest.mark.parametrize("array, shape, data, field", [
+    ("vectors", [-1, -8], b"\x00" * 8, "memory.vectors"),  # a product of negative sizes still matches the bytes
+    ("vectors", [-3, 0], b"", "memory.vectors"),
+    ("scales", [-1], b"", "memory.scales"),
+    ("scales", [1.0], b"\x00" * 4, "memory.scales"),
+])
+def test_array_sizes_must_be_non_negative_ints(array, shape, data, field):
+    obj = msgpack.unpackb(encode(make_trajectory(slots=0)), raw=False)
+    obj["memory"][array].update(shape=shape, data=data)
+    with pytest.raises(SchemaError) as err:
+        decode(msgpack.packb(obj, use_bin_type=True), Trajectory)
+    assert (err.value.reason, err.value.field) == ("invalid-field", field)
+
+
+def test_decoded_arrays_are_read_only_views_of_the_message():
+    restored = decode(encode(make_trajectory(steps=3, slots=2)), Trajectory)
+    memory = restored.memory
+    arrays = [restored.prompt_ids, memory.vectors, memory.scales, memory.spans, memory.reward_sums]
+    arrays += [a for step in restored.steps for a in (step.observation_ids, step.action_ids, step.behaviour_logprobs)]
+    for array in arrays:
+        assert not array.flags.writeable
+        owner = array
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert isinstance(owner, bytes)  # numpy maps the message's bytes: no copy
+    assert memory.vectors.shape == (2, 8) and memory.spans.shape == (2, 2)

@@ -32,13 +32,14 @@ from sao.policy.weights import (
     read_weights_into,
 )
 from sao.sampler.offsets import OffsetTracker
+from sao.sampler.outbox import Outbox
 from sao.sampler.rollout import LiveEpisode, Roller
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import process_usage, write_status
 from sao.transport.announcements import PolicyFollower
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
-from sao.transport.kafka import TASK_CONSUMER_SETTINGS, RenewingProducer, deliver_and_wait, make_consumer
+from sao.transport.kafka import TASK_CONSUMER_SETTINGS, RenewingProducer, make_consumer
 from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Sampler:
         self.broker_watch = BrokerWatch(bootstrap, sampler_id, config.broker.loss_timeout_s)
         self.producer = RenewingProducer(bootstrap, self.broker_watch)
         self.dlq = DeadLetterQueue(self.producer, config.topics.dlq)
+        self.outbox = Outbox(self.producer, config.topics.trajectories)
         self.offsets = OffsetTracker()
         self.tasks = make_consumer(bootstrap, config.topics.sampler_group, **TASK_CONSUMER_SETTINGS)
         self.tasks.subscribe([config.topics.tasks], on_assign=self._assigned, on_revoke=self._revoked)
@@ -113,11 +115,14 @@ class Sampler:
                         if outcome is not None:
                             self._finish(msg, episode.task, outcome)
                     live = [entry for entry, outcome in zip(live, outcomes) if outcome is None]
+                self.outbox.poll()  # acknowledged trajectories finish their tasks
                 self._commit()
                 if idle_from is not None:
                     self.counters["idle_s"] += time.perf_counter() - idle_from
                 self.counters["run_s"] = time.perf_counter() - run_started
                 self._write_status(live=live)
+            self.outbox.drain()
+            self._commit()
         except BrokerGone as gone:
             gone.in_flight = self._in_flight(live)
             raise
@@ -221,18 +226,22 @@ class Sampler:
         return started
 
     def _finish(self, msg, task: Task, outcome: Trajectory | EnvFailure) -> None:
-        """Hand a finished task on: its trajectory to the trainer, or its failure to the DLQ."""
+        """Hand a finished task on: its trajectory to the trainer (queued), or its failure to the DLQ."""
         if isinstance(outcome, EnvFailure):
             # The env raised or hung: this task ends here, the sampler goes on.
             self._dead_letter(msg, outcome.reason, str(outcome))
-        else:
-            produce_started = time.perf_counter()
-            deliver_and_wait(self.producer, self.config.topics.trajectories, encode(outcome), key=task.task_id)
-            record_rollout(outcome, time.perf_counter() - produce_started)
-            self.counters["produced"] += 1
-            self.counters["reward_sum"] += outcome.total_reward
-            self.counters["tokens"] += sum(len(s.action_ids) for s in outcome.steps)
-            self.counters["rollout_s"] += outcome.timings["rollout_s"]
+        else:  # finished once the broker has it (`_delivered`); the live episodes go on meanwhile
+            self.outbox.send(encode(outcome), task.task_id, lambda ack_s: self._delivered(msg, outcome, ack_s))
+            return
+        self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
+
+    def _delivered(self, msg, trajectory: Trajectory, ack_s: float) -> None:
+        """The broker acknowledged `trajectory`: its task is finished and its offset may be committed."""
+        record_rollout(trajectory, ack_s)
+        self.counters["produced"] += 1
+        self.counters["reward_sum"] += trajectory.total_reward
+        self.counters["tokens"] += sum(len(s.action_ids) for s in trajectory.steps)
+        self.counters["rollout_s"] += trajectory.timings["rollout_s"]
         self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
 
     def _assigned(self, consumer, partitions: list) -> None:

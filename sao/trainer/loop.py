@@ -49,12 +49,18 @@ class Trainer:
         torch.set_num_threads(config.trainer.threads())
         self.config = config
         self.run_dir = RunDir(run_dir)
+        # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
+        self.startup_s: dict[str, float] = {}
+        clock = time.perf_counter()
         self.memory_dim = encoder_dim(config.compression.encoder)  # the width only: no model load
         policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head, config.compression.encoder)
         validator = TrajectoryValidator.for_model(policy, self.memory_dim, config.trainer)  # before ZeRO-3 wraps it
+        clock = self._started("model", clock)
         self.engine = build_engine(policy, config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
+        clock = self._started("engine", clock)
         restored = load_checkpoint(self.engine, self.run_dir.checkpoints) if resume else None
+        clock = self._started("checkpoint", clock)
         self.state = restored or TrainerState()
         if restored:
             self.state.policy_version = self._next_free_version(bootstrap, config.topics.policy)
@@ -94,6 +100,14 @@ class Trainer:
                                          policy_version=self.state.policy_version)
         if resume and self.is_leader:
             self._ledger({"resumed_from_step": self.state.step})
+        self._started("kafka_clients", clock)
+        log.info("trainer ready in %.1f s since its process started (%s)", time.time() - _process_started_at(),
+                 ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.startup_s.items()))
+
+    def _started(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.startup_s[phase] = now - since
+        return now
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
@@ -340,7 +354,7 @@ class Trainer:
                 "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
                 "skipped_steps": self.skipped_steps,
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
-                "memory": memory_per_rank(self.engine),
+                "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
                 **process_usage(), "idle_s": self.idle_s,
                 "run_s": time.perf_counter() - self.run_started if self.run_started is not None else 0.0,
                 "steps": [asdict(record) for record in self.steps]}
@@ -348,6 +362,13 @@ class Trainer:
     def _write_status(self, finished: bool = False) -> None:
         name = "trainer" if self.is_leader else f"trainer-rank{rank()}"
         write_status(self.run_dir.status(name), {**self.status(), "finished": finished})
+
+
+def _process_started_at() -> float:
+    """Unix time this process started (imports included)."""
+    import psutil  # a DeepSpeed dependency, so always installed with the trainer
+
+    return psutil.Process().create_time()
 
 
 def _jsonable(state):

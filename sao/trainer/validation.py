@@ -86,12 +86,27 @@ class TrajectoryValidator:
             raise SchemaError("invalid-memory", "memory.vectors",
                               f"vectors are {memory.vectors.shape[1]} wide; this trainer's encoder gives "
                               f"{self.memory_dim}")
-        _all_finite(memory.scales, "memory.scales")
+        scales = memory.scales
+        # Scales within [0, MAX_MEMORY_SCALE] are finite (NaN and inf fail the comparisons), so only
+        # scales out of range take the finiteness pass that tells the two faults apart.
+        in_range = not len(scales) or (scales.min() >= 0 and scales.max() <= MAX_MEMORY_SCALE)
+        if not in_range:
+            _all_finite(scales, "memory.scales")
         _all_finite(memory.reward_sums, "memory.reward_sums")
-        if len(memory.scales) and not (memory.scales.min() >= 0 and memory.scales.max() <= MAX_MEMORY_SCALE):
+        if not in_range:
             raise SchemaError("out-of-range", "memory.scales", f"scales must lie in [0, {MAX_MEMORY_SCALE}]")
 
     def _check_tokens(self, trajectory: Trajectory) -> None:
+        # One test over every id of the trajectory, not two per array; only a trajectory that fails
+        # goes array by array, to name the first bad one. Viewed as unsigned, a negative int32 id is
+        # over 2**31, so a single max checks both ends of [0, vocab_size) (ids off the wire are
+        # int32; any other dtype goes array by array).
+        id_arrays = [trajectory.prompt_ids]
+        for step in trajectory.steps:
+            id_arrays += (step.observation_ids, step.action_ids)
+        every_id = np.concatenate(id_arrays)
+        if not len(every_id) or (every_id.dtype == np.int32 and every_id.view(np.uint32).max() < self.vocab_size):
+            return
         arrays = [("prompt_ids", trajectory.prompt_ids)]
         for i, step in enumerate(trajectory.steps):
             arrays += [(f"steps[{i}].observation_ids", step.observation_ids),
@@ -103,6 +118,11 @@ class TrajectoryValidator:
                                   f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def _check_steps(self, trajectory: Trajectory) -> None:
+        # One min over the log-probs of all steps; only if it fails (or a step has none, whose own
+        # min raises as it always did) does each step take its own, to name the first bad one.
+        logprobs = [step.behaviour_logprobs for step in trajectory.steps]
+        logprobs_in_range = (len(logprobs) > 0 and all(map(len, logprobs))
+                             and np.concatenate(logprobs).min() >= MIN_BEHAVIOUR_LOGPROB)
         for i, step in enumerate(trajectory.steps):
             # The first action token is scored given what precedes it; with nothing before it
             # the model has no position to predict it from.
@@ -114,7 +134,7 @@ class TrajectoryValidator:
             if abs(step.reward) > self.max_abs_reward:
                 raise SchemaError("out-of-range", f"steps[{i}].reward",
                                   f"|{step.reward}| is over trainer.max_abs_reward ({self.max_abs_reward})")
-            if step.behaviour_logprobs.min() < MIN_BEHAVIOUR_LOGPROB:
+            if not logprobs_in_range and step.behaviour_logprobs.min() < MIN_BEHAVIOUR_LOGPROB:
                 raise SchemaError("out-of-range", f"steps[{i}].behaviour_logprobs",
                                   f"{float(step.behaviour_logprobs.min())} is below {MIN_BEHAVIOUR_LOGPROB}: no "
                                   "sampler draws a token that unlikely")
@@ -129,5 +149,6 @@ def _finite(value: float, field_name: str) -> None:
 
 
 def _all_finite(values: np.ndarray, field_name: str) -> None:
-    if not np.all(np.isfinite(values)):
+    # An empty table (a first turn's memory) is finite without a pass over it.
+    if values.size and not np.isfinite(values).all():
         raise SchemaError("non-finite", field_name, "holds NaN or infinity")

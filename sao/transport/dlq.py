@@ -28,6 +28,7 @@ class DeadLetterQueue:
     def __init__(self, producer: Producer, topic: str) -> None:
         self.producer = producer
         self.topic = topic
+        self.pending = 0  # dead letters queued and not yet acknowledged (or refused)
 
     def send(
         self,
@@ -47,14 +48,22 @@ class DeadLetterQueue:
             source_topic, partition, offset, self.topic, reason, detail,
         )
         self.producer.produce(self.topic, value=value, key=key, headers=headers, on_delivery=self._on_delivery)
+        self.pending += 1
         self.producer.poll(0)  # serve earlier delivery reports without waiting
         DLQ_MESSAGES.labels(reason=reason).inc()
 
     def flush(self, timeout: float = 10.0) -> int:
-        """Wait for queued messages; return how many are still undelivered."""
-        return self.producer.flush(timeout)
+        """Wait until this queue's dead letters are acknowledged; return how many are not.
+
+        Without any pending it returns at once: the shared producer's other messages (a sampler's
+        trajectories in flight) are not waited for.
+        """
+        if self.pending:
+            self.producer.flush(timeout)
+        return self.pending
 
     def _on_delivery(self, error: KafkaError | None, msg: Message) -> None:
+        self.pending -= 1
         if error is not None:
             log.error("Could not write to dead-letter topic %s: %s; the message is lost", self.topic, error.str())
 

@@ -223,7 +223,7 @@ def deliver_and_wait(
     reports: list[tuple[KafkaError | None, Message]] = []
     deadline = time.monotonic() + timeout
     extra: dict[str, Any] = {} if headers is None else {"headers": headers}
-    _produce(producer, deadline, topic, value, key, on_delivery=lambda err, msg: reports.append((err, msg)), **extra)
+    produce_when_room(producer, deadline, topic, value, key, on_delivery=lambda err, msg: reports.append((err, msg)), **extra)
     while not reports:
         if watch is not None:
             watch.check()
@@ -243,10 +243,11 @@ def deliver_and_wait(
     return message
 
 
-def _produce(
+def produce_when_room(
     producer: Producer | RenewingProducer, deadline: float, topic: str, value: bytes | None,
     key: bytes | str | None, **kwargs: Any,
 ) -> None:
+    """`producer.produce`, waiting (until `deadline`, a monotonic time) while the local queue is full."""
     # BufferError means the local queue is full; serving delivery reports frees room.
     while True:
         try:

@@ -28,7 +28,7 @@ def test_every_arm_delivers_every_message_and_the_headline_is_consistent(tmp_pat
 
     assert set(result["sizes"]) == {"1024", "8192"}
     for size, arms in result["sizes"].items():
-        assert set(arms) == {"bare", "sao", "sao-pipelined"}
+        assert set(arms) == {"bare", "sao", "sao-blocking"}
         for arm, row in arms.items():
             # 12 timed messages + 4 paced ones, each received once, none refused by the trainer's checks.
             assert row["sent"] == row["received"] == 16, (size, arm)

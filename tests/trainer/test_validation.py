@@ -75,6 +75,63 @@ def test_valid_trajectories_pass_at_the_edges(validator):
         validator.validate(over_the_wire(replace(later, recent_window=0)), policy_version=0)
 
 
+def _four_steps() -> Trajectory:
+    base = valid()
+    return replace(base, steps=[replace(base.steps[0], reward=0.0) for _ in range(4)])
+
+
+def _in_step(index: int, **changes):
+    """A corruption: step `index` gets `changes`, each a function of that step's old value."""
+    def corrupt(trajectory: Trajectory) -> Trajectory:
+        steps = list(trajectory.steps)
+        steps[index] = replace(steps[index], **{name: change(getattr(steps[index], name))
+                                                for name, change in changes.items()})
+        return replace(trajectory, steps=steps)
+    return corrupt
+
+
+def _last(value):
+    """Replace the last element of an array (a token id or a log-prob)."""
+    def change(array: np.ndarray) -> np.ndarray:
+        array = array.copy()
+        array[-1] = value
+        return array
+    return change
+
+
+@pytest.mark.parametrize("corruptions, reason, field", [
+    ([_in_step(3, action_ids=_last(10**6))], "invalid-token", "steps[3].action_ids"),
+    ([_in_step(2, observation_ids=_last(-1))], "invalid-token", "steps[2].observation_ids"),
+    ([_in_step(1, action_ids=_last(-(2**31)))], "invalid-token", "steps[1].action_ids"),
+    ([_in_step(2, observation_ids=_last(VOCAB))], "invalid-token", "steps[2].observation_ids"),
+    # With several faults, the one named is the first a step-by-step reading meets:
+    ([_in_step(3, action_ids=_last(VOCAB)), _in_step(1, observation_ids=_last(-5))], "invalid-token",
+     "steps[1].observation_ids"),
+    ([_in_step(2, observation_ids=_last(VOCAB)), lambda t: replace(t, prompt_ids=_last(-1)(t.prompt_ids))],
+     "invalid-token", "prompt_ids"),
+    ([_in_step(2, behaviour_logprobs=_last(-1e30))], "out-of-range", "steps[2].behaviour_logprobs"),
+    ([_in_step(3, behaviour_logprobs=_last(-81.0)), _in_step(1, reward=lambda _: 1e5)], "out-of-range",
+     "steps[1].reward"),
+    ([_in_step(1, behaviour_logprobs=_last(-1e30)), _in_step(3, reward=lambda _: 1e5)], "out-of-range",
+     "steps[1].behaviour_logprobs"),
+])
+def test_faults_in_later_steps_are_named_by_step(validator, corruptions, reason, field):
+    trajectory = _four_steps()
+    for corrupt in corruptions:
+        trajectory = corrupt(trajectory)
+    with pytest.raises(SchemaError) as refused:
+        validator.validate(over_the_wire(trajectory), policy_version=3)
+    assert (refused.value.reason, refused.value.field) == (reason, field)
+
+
+def test_ids_and_log_probs_at_the_edges_pass_in_every_step(validator):
+    trajectory = _four_steps()
+    for index in range(4):
+        trajectory = _in_step(index, observation_ids=_last(0), action_ids=_last(VOCAB - 1),
+                              behaviour_logprobs=_last(-80.0))(trajectory)
+    validator.validate(over_the_wire(trajectory), policy_version=0)
+
+
 def test_size_is_checked_before_decoding(validator):
     validator.check_size(16 << 20)
     with pytest.raises(SchemaError) as refused:
