@@ -200,7 +200,8 @@ class TrainerConfig(Section):
     mask_low: float = Field(0.5, gt=0, description="masked: tokens with rho below this are dropped.")
     mask_high: float = Field(2.0, gt=1, description="masked: tokens with rho above this are dropped.")
     baseline_key: Literal["env", "task_id", "prompt", "leave_one_out"] = Field(
-        "env", description="What a sao advantage subtracts from the reward. env: a running mean per env (one value per "
+        "prompt", description="What a sao advantage subtracts from the reward (default prompt: it learned most over seeds, "
+                           "benchmarks/README.md). env: a running mean per env (one value per "
                            "batch, so with whiten_advantages it changes nothing). task_id: per task id, else env (built-in "
                            "envs never repeat an id). prompt: per prompt token ids (a recurring question has its own "
                            "history), else env. leave_one_out: the mean reward of the batch's other trajectories "
