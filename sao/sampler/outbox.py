@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from confluent_kafka import KafkaError, Message
 
-from sao.transport.kafka import DeliveryFailed, RenewingProducer, produce_when_room
+from sao.transport.kafka import DeliveryFailed, RenewingProducer, await_acknowledgements, produce_when_room
 
 
 class Outbox:
@@ -58,15 +58,7 @@ class Outbox:
         An outage does not count against `timeout_s`: the producer's watch bounds it
         (`broker.loss_timeout_s`) and raises BrokerLost or BrokerReplaced from here.
         """
-        watch = self.producer.watch
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight:
-            watch.check()
-            if not watch.is_up:
-                deadline = max(deadline, time.monotonic() + timeout_s)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeliveryFailed(f"{self.in_flight} message(s) to topic {self.topic!r} not acknowledged within "
-                                     f"{timeout_s:.0f} s")
-            self.producer.flush(min(0.1, remaining))  # flush, not poll: no lingering for company
+        await_acknowledgements(self.producer, lambda: not self.in_flight, time.monotonic() + timeout_s, timeout_s,
+                               lambda: f"{self.in_flight} message(s) to topic {self.topic!r} not acknowledged within "
+                               f"{timeout_s:.0f} s")
         self.poll()

@@ -219,28 +219,42 @@ def deliver_and_wait(
     With a RenewingProducer, an outage does not count against `timeout`: its watch bounds it
     (`broker.loss_timeout_s`) and raises BrokerLost or BrokerReplaced from here.
     """
-    watch = producer.watch if isinstance(producer, RenewingProducer) else None
     reports: list[tuple[KafkaError | None, Message]] = []
     deadline = time.monotonic() + timeout
     extra: dict[str, Any] = {} if headers is None else {"headers": headers}
     produce_when_room(producer, deadline, topic, value, key, on_delivery=lambda err, msg: reports.append((err, msg)), **extra)
-    while not reports:
+    hint = ("the broker answers, so is the topic created?" if isinstance(producer, RenewingProducer)
+            else "is the broker reachable and the topic created?")
+    await_acknowledgements(producer, lambda: bool(reports), deadline, timeout,
+                           lambda: f"No acknowledgement for a message to topic {topic!r} within {timeout:.0f} s; {hint}")
+    error, message = reports[0]
+    if error is not None:
+        raise DeliveryFailed(f"Delivery to topic {topic!r} failed: {error.str()}", error)
+    return message
+
+
+def await_acknowledgements(
+    producer: Producer | RenewingProducer, done: Callable[[], bool], deadline: float, timeout: float,
+    failure: Callable[[], str],
+) -> None:
+    """Serve delivery reports until `done()`; raise DeliveryFailed(`failure()`) past `deadline` (monotonic).
+
+    With a RenewingProducer an outage does not count: while its watch sees the broker down the
+    deadline moves to `timeout` seconds ahead, and the watch itself (`broker.loss_timeout_s`)
+    raises BrokerLost or BrokerReplaced from here.
+    """
+    watch = producer.watch if isinstance(producer, RenewingProducer) else None
+    while not done():
         if watch is not None:
             watch.check()
             if not watch.is_up:
                 deadline = max(deadline, time.monotonic() + timeout)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            hint = ("the broker answers, so is the topic created?" if watch is not None
-                    else "is the broker reachable and the topic created?")
-            raise DeliveryFailed(f"No acknowledgement for a message to topic {topic!r} within {timeout:.0f} s; {hint}")
+            raise DeliveryFailed(failure())
         # flush, not poll: it sends at once instead of lingering `linger.ms` for company that a
-        # caller blocked on one message never brings (measured: 6 ms -> 0.3-0.9 ms per message).
+        # caller blocked on its messages never brings (measured: 6 ms -> 0.3-0.9 ms per message).
         producer.flush(min(0.1, remaining))
-    error, message = reports[0]
-    if error is not None:
-        raise DeliveryFailed(f"Delivery to topic {topic!r} failed: {error.str()}", error)
-    return message
 
 
 def produce_when_room(
