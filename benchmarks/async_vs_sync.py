@@ -8,7 +8,8 @@ Three arms, each one `sao run` (its own run directory) on the same number of tra
 single-trajectory, `run.mode = "sync"`: one batch released, sampled with the newest version, trained
 and published before the next; (c) sao's asynchronous default. Each arm runs unpinned (the OS
 places every process) and pinned (samplers on the first half of the CPUs, the trainer on the other
-half: the CPU stand-in for separate sampler and trainer pools).
+half: the CPU stand-in for separate sampler and trainer pools; the broker, launcher and feeder share
+the samplers' half, and so does the final held-out evaluation).
 
 Per arm, from summary.json: trajectories trained per second (over the training part, and in steady
 state: from the first optimizer step to the last), trainer and sampler idle ratios, mean staleness,
@@ -43,13 +44,18 @@ def arm_arguments(arm: str, tasks: int, group_size: int) -> list[str]:
     return ["--num-tasks", str(tasks), *mode]
 
 
+def cpu_halves() -> tuple[list[int], list[int]]:
+    """(sampler CPUs, trainer CPUs): the first half of this process's CPUs, and the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:len(cpus) // 2], cpus[len(cpus) // 2:]
+
+
 def pinning(pinned: bool) -> list[str]:
     """Samplers on the first half of this process's CPUs, the trainer on the rest (none when unpinned)."""
     if not pinned:
         return []
-    cpus = sorted(os.sched_getaffinity(0))
-    half = len(cpus) // 2
-    return ["--set", f"sampler.cpu_affinity={cpus[:half]}", "--set", f"trainer.cpu_affinity={cpus[half:]}"]
+    samplers, trainer = cpu_halves()
+    return ["--set", f"sampler.cpu_affinity={samplers}", "--set", f"trainer.cpu_affinity={trainer}"]
 
 
 def run_arm(arm: str, pinned: bool, args: argparse.Namespace, runs_dir: Path) -> dict:
@@ -58,7 +64,11 @@ def run_arm(arm: str, pinned: bool, args: argparse.Namespace, runs_dir: Path) ->
                "--set", f"run.heldout_cap={args.heldout_cap}", *arm_arguments(arm, args.tasks, args.group_size),
                *pinning(pinned), *args.extra]
     started = time.perf_counter()
-    completed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Pinned, `sao run` itself starts on the samplers' CPUs, so the broker, the launcher and the feeder
+    # (which inherit it) share them too and the trainer's CPUs are the trainer's alone.
+    start_on = (lambda: os.sched_setaffinity(0, cpu_halves()[0])) if pinned else None
+    completed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=start_on)
     if completed.returncode != 0:
         raise SystemExit(f"{run_dir.name}: sao run failed ({completed.returncode}): {completed.stderr[-3000:]}")
     return {"arm": arm, "pinned": pinned, "run_dir": str(run_dir), "wall_s": time.perf_counter() - started,

@@ -89,7 +89,7 @@ def run(config: SaoConfig, console: Console) -> dict:
     # Where the CPU went (sao/report.py): the broker's and the launcher's share; the others write their own.
     write_status(run_dir.status("launcher"), {"cpu_s": own_cpu_seconds() - launcher_cpu_at_start,
                                               "broker_cpu_s": broker_cpu_s, "wall_s": duration_s,
-                                              "cores": len(os.sched_getaffinity(0))})
+                                              "cores": len(_run_cpus(config))})
     _compare_on_heldout(config, run_dir, console)
     summary = build_summary(config, run_dir.root, duration_s)
     run_dir.summary.write_text(json.dumps(summary, indent=2))
@@ -193,6 +193,11 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
             time.sleep(0.1 if feeder.sync else 0.5)
     if processes["trainer"].returncode != 0:
         raise RunFailed(f"trainer exited with code {processes['trainer'].returncode}; see {run_dir.log('trainer')}")
+
+
+def _run_cpus(config: SaoConfig) -> set[int]:
+    """The CPUs this run's processes may use: the launcher's own, plus any a role is pinned to."""
+    return set(os.sched_getaffinity(0)) | set(config.sampler.cpu_affinity or ()) | set(config.trainer.cpu_affinity or ())
 
 
 def _raise_interrupt(*_: object) -> None:

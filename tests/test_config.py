@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from sao.config import ConfigError, load_config, to_toml
+from sao.config import ConfigError, load_config, machine_cpu_ids, to_toml
 
 
 def test_defaults_validate():
@@ -76,6 +76,20 @@ def test_cpu_affinity_takes_only_cpus_this_machine_has_naming_the_field(section)
                      ([-1], "not available")):
         with pytest.raises(ConfigError, match=rf"`{section}\.cpu_affinity`.*{why}"):
             load_config(overrides=[f"{section}.cpu_affinity={bad}"], environ={})
+
+
+def test_cpu_affinity_may_name_cpus_outside_the_launching_process_affinity():
+    """`sao run` pinned to some CPUs may pin its trainer to others (async_vs_sync's pinned arms do)."""
+    cpus = machine_cpu_ids()
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus[:1])
+        config = load_config(overrides=[f"trainer.cpu_affinity={cpus[1:]}"], environ={})
+    finally:
+        os.sched_setaffinity(0, own)
+    assert config.trainer.cpu_affinity == cpus[1:]
 
 
 def test_sync_mode_needs_a_publish_every_step_and_the_feeder_batch():
