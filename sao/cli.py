@@ -27,6 +27,9 @@ from rich.table import Table
 from sao.config import ConfigError, SaoConfig, load_config, to_toml
 from sao.offline.compression_cli import compression_app
 
+# Each command imports what it runs inside its function: `sao` loads this module for every command, and
+# torch, transformers and deepspeed take seconds to import (tests/test_cli_startup.py keeps them out).
+
 app = typer.Typer(help="Asynchronous single-trajectory RL post-training through Kafka.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_args_is_help=True)

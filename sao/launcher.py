@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import env_class
-from sao.feeder import Feeder, attempts_per_task
+from sao.feeder import Feeder, attempts_per_task, handled_by_trainer
 from sao.report import build_summary, summary_table, write_report
 from sao.run_dir import RunDir
 from sao.status import (
@@ -172,7 +172,7 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
         while True:
             samplers = read_all_status(run_dir.status_dir, "sampler-")
             trainer = read_status(run_dir.status("trainer"))
-            if feeder.top_up(handled=trainer.get("trajectories_trained", 0) + trainer.get("dead_lettered", 0),
+            if feeder.top_up(handled=handled_by_trainer(trainer),
                              policy_version=trainer.get("policy_version", 0)) and feeder.sync:
                 write_status(run_dir.status("feeder"), {"mode": "sync", "releases": feeder.releases})
             produced = sum(s.get("produced", 0) for s in samplers.values())

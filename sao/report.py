@@ -193,6 +193,9 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "grad_norm_mean": mean([r.grad_norm for r in steps]),
         "staleness_mean": mean(per_trajectory(steps, "staleness")),
         "dead_lettered": trainer.get("dead_lettered", 0) + sum(s.get("dead_lettered", 0) for s in samplers.values()),
+        # Task messages samplers dead-lettered, each once (the sum above counts a redelivered one per sampler)
+        # and none whose trajectory was trained after all: the trainer reads them back from the DLQ.
+        "tasks_dead_lettered": trainer.get("tasks_dead_lettered", 0),
         "trainer_wait_s": trainer.get("wait_s"),
         "trainer_step_s_mean": mean([r.step_s for r in steps]),
         "duration_s": duration_s,
@@ -479,6 +482,11 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         lines += ["| reason | count |", "|---|---:|", *[f"| {r} | {c} |" for r, c in sorted(reasons.items())]]
     else:
         lines.append("The trainer dead-lettered nothing.")
+    task_reasons = trainer.get("task_dlq_reasons") or {}
+    lines += ["", f"Samplers dead-lettered {sum(task_reasons.values())} task(s), each counted once and never trained "
+              "on: their trajectories never came, so they count as handled"
+              + "".join(f"; {reason}: {count}" for reason, count in sorted(task_reasons.items())) + "."
+              if task_reasons else "Samplers dead-lettered no task."]
     lines += ["", "Logs are in `logs/`, published weights in `policy/`, checkpoints in `checkpoints/`.", ""]
     return "\n".join(lines)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,13 +18,9 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from sao.config import ConfigError, SaoConfig, load_config
-from sao.offline.episodes import (
-    Episode,
-    holds_trajectory_records,
-    read_episodes,
-    read_episodes_from_topic,
-    write_episodes,
-)
+
+if TYPE_CHECKING:  # imported where used: `sao` loads this module for every command, and episodes pulls torch
+    from sao.offline.episodes import Episode
 
 compression_app = typer.Typer(help="The context compressor: record episodes, train the temporal filter, inspect it.",
                               no_args_is_help=True)
@@ -93,6 +89,8 @@ def _tokenizer(cfg: SaoConfig):
 
 def _load_episodes(cfg: SaoConfig, input_path: Path | None, bootstrap_servers: str | None, from_env: str | None,
                    episodes: int, agent: str, noise: float, seed: int, max_messages: int | None) -> list[Episode]:
+    from sao.offline.episodes import holds_trajectory_records, read_episodes, read_episodes_from_topic
+
     sources = [s for s in (input_path, bootstrap_servers, from_env) if s]
     if len(sources) != 1:
         raise typer.BadParameter("give exactly one of --input, --bootstrap-servers, --from-env")
@@ -115,6 +113,8 @@ def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (
            start_index: Annotated[int, typer.Option(help="First task index.")] = 0,
            config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Record episodes of the scripted agents to a JSONL file (world shape: --set env.options.size=12 …)."""
+    from sao.offline.episodes import write_episodes
+
     cfg = _setup(config, set_)
     recorded = scripted_episodes(cfg, env, episodes, agent, noise, seed, start_index)
     write_episodes(out, recorded)

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,14 +75,21 @@ def save_checkpoint(engine, directory: Path, state: TrainerState) -> Path:
     return tag_dir
 
 
-def load_checkpoint(engine, directory: Path) -> TrainerState | None:
+def has_checkpoint(directory: Path) -> bool:
+    """Whether `directory` names a latest checkpoint (trusted or not: `verify_checkpoint` decides that)."""
+    return (directory / _LATEST_FILE).is_file()
+
+
+def load_checkpoint(engine, directory: Path, verified: Future[tuple[str, dict]] | None = None) -> TrainerState | None:
     """Restore the newest checkpoint in `directory` once its files are verified; None if there is none.
 
+    `verified`, if given, is `verify_checkpoint(directory)` already under way (the trainer hashes the
+    files on a thread while it builds the engine); its result is awaited here.
     Raises UntrustedCheckpoint, before anything is unpickled, when the files differ from the record.
     """
-    if not (directory / _LATEST_FILE).is_file():
+    if not has_checkpoint(directory):
         return None
-    tag, recorded_state = verify_checkpoint(directory)
+    tag, recorded_state = verified.result() if verified is not None else verify_checkpoint(directory)
     load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:

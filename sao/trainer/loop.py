@@ -7,12 +7,15 @@ sampler: it trains on whatever fresh trajectories Kafka holds, in arrival order 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from sao.status import StepRecord, attempt_success, process_usage, write_status
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
-from sao.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from sao.trainer.checkpoint import TrainerState, has_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
 from sao.trainer.publisher import PolicyPublisher
@@ -37,7 +40,7 @@ from sao.trainer.training_step import StepOutcome, train_step
 from sao.trainer.trajectory_stream import TrajectoryStream
 from sao.trainer.validation import TrajectoryValidator
 from sao.transport.announcements import latest_announced_version
-from sao.transport.dlq import DeadLetterQueue
+from sao.transport.dlq import DeadLetteredTasks, DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
 from sao.transport.kafka import RenewingProducer
 
@@ -52,18 +55,27 @@ class Trainer:
         # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
+        # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
+        resuming = resume and has_checkpoint(self.run_dir.checkpoints)
+        verified = _in_background(verify_checkpoint, self.run_dir.checkpoints) if resuming else None
         self.memory_dim = encoder_dim(config.compression.encoder)  # the width only: no model load
         policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head, config.compression.encoder)
         validator = TrajectoryValidator.for_model(policy, self.memory_dim, config.trainer)  # before ZeRO-3 wraps it
         clock = self._started("model", clock)
+        # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
+        # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
+        gc.freeze()
         self.engine = build_engine(policy, config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
         clock = self._started("engine", clock)
-        restored = load_checkpoint(self.engine, self.run_dir.checkpoints) if resume else None
+        # The policy topic is read to its end (a quiet second) while the checkpoint loads.
+        announced = _in_background(latest_announced_version, bootstrap, config.topics.policy) \
+            if resuming and rank() == 0 else None
+        restored = load_checkpoint(self.engine, self.run_dir.checkpoints, verified) if resume else None
         clock = self._started("checkpoint", clock)
         self.state = restored or TrainerState()
         if restored:
-            self.state.policy_version = self._next_free_version(bootstrap, config.topics.policy)
+            self.state.policy_version = self._next_free_version(announced)
         self.handled_before_start = self.state.handled  # trained or dead-lettered by earlier lives
         self.baseline = RewardBaseline(config.trainer.baseline_key, config.trainer.baseline_momentum)
         if self.state.baseline:
@@ -87,6 +99,8 @@ class Trainer:
                                        self.state.offsets if restored else None, set(self.state.seen_trajectory_ids),
                                        config.topics.trainer_group,
                                        self.state.refused_offsets) if self.is_leader else None
+        # Tasks samplers dead-lettered: their trajectories never come, yet they count as handled.
+        self.dead_tasks = DeadLetteredTasks(bootstrap, config.topics.dlq, config.topics.tasks) if self.is_leader else None
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
         self.run_started: float | None = None  # perf_counter at the start of `run`
@@ -112,7 +126,7 @@ class Trainer:
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
-    def _next_free_version(self, bootstrap: str, topic: str) -> int:
+    def _next_free_version(self, announced: Future[int] | None) -> int:
         """After a resume, continue above every version ever announced, not at the checkpoint's.
 
         A crashed run may have announced versions after its last checkpoint; reusing their
@@ -120,7 +134,7 @@ class Trainer:
         """
         version = torch.tensor([self.state.policy_version], dtype=torch.long, device=self.engine.device)
         if rank() == 0:
-            version[0] = max(self.state.policy_version, latest_announced_version(bootstrap, topic))
+            version[0] = max(self.state.policy_version, announced.result())
         if world_size() > 1:
             dist.broadcast(version, src=0)
         if int(version) != self.state.policy_version:
@@ -159,8 +173,7 @@ class Trainer:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
-            self.finished = (self.is_leader and expected_trajectories is not None
-                             and self._handled() >= expected_trajectories and len(self.buffer) == 0)
+            self.finished = self.is_leader and self._all_handled(expected_trajectories) and len(self.buffer) == 0
         except BrokerGone as gone:
             gone.in_flight = self._in_flight(checkpointed_at)
             raise
@@ -168,6 +181,7 @@ class Trainer:
             self._write_status(finished=self.finished)
             if self.is_leader:
                 self.stream.close()
+                self.dead_tasks.close()
                 self.producer.flush(10)
                 self.broker_watch.close()
             for evaluation in self.evaluations:
@@ -178,14 +192,39 @@ class Trainer:
     # --- consuming (rank 0) -------------------------------------------------------------
 
     def _handled(self) -> int:
+        """Trajectories trained on or dead-lettered by this trainer, in every life (what a checkpoint keeps)."""
         return self.handled_before_start + self.stream.counters.handled
+
+    def _tasks_dead_lettered(self) -> int:
+        """Task messages samplers dead-lettered whose trajectory this trainer has not met (see DeadLetteredTasks)."""
+        return self.dead_tasks.count(self.stream.seen_ids)
+
+    def _all_handled(self, expected: int | None) -> bool:
+        """Every expected trajectory was handled here, or will never come: its task was dead-lettered.
+
+        The dead-letter topic is read only while something is still missing, every few seconds.
+        """
+        if expected is None:
+            return False
+        if self._handled() + self._tasks_dead_lettered() < expected:
+            self.dead_tasks.refresh()
+        return self._handled() + self._tasks_dead_lettered() >= expected
+
+    def _released_batch_handled(self) -> bool:
+        """run.mode = sync: all of the batch the feeder released is here or dead-lettered, so train it as it is.
+
+        The feeder releases trainer.batch_size task attempts at a time, the next only after this
+        batch's step; so once the handled count is a whole multiple of it, nothing more is coming.
+        """
+        return (self.config.run.mode == "sync" and len(self.buffer) > 0
+                and (self._handled() + self._tasks_dead_lettered()) % self.config.trainer.batch_size == 0)
 
     def _should_stop(self, expected: int | None) -> bool:
         if not self.is_leader:
             return False  # only rank 0's answer is broadcast
         max_steps = self.config.trainer.max_steps
         return (self.stopping or (max_steps is not None and self.state.step >= max_steps)
-                or (expected is not None and self._handled() >= expected and len(self.buffer) == 0))
+                or (self._all_handled(expected) and len(self.buffer) == 0))
 
     def _collect(self, expected: int | None) -> list[BufferEntry] | None:
         """Rank 0: the next batch's buffer entries (empty when training should stop)."""
@@ -196,8 +235,7 @@ class Trainer:
             self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
             for entry in self.buffer.evict_stale(self.state.policy_version, cfg.max_staleness):
                 self.stream.reject_stale(entry, self.state.policy_version)
-            all_arrived = expected is not None and self._handled() >= expected
-            entries = self._take(all_arrived)
+            entries = self._take(all_arrived=self._all_handled(expected) or self._released_batch_handled())
             if entries:
                 return entries
             for entry in self.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
@@ -351,6 +389,9 @@ class Trainer:
                 "trajectories_trained": sum(record.batch_size for record in self.steps),
                 "consumed": counters.consumed if counters else 0, "duplicates": counters.duplicates if counters else 0,
                 "dead_lettered": counters.dead_lettered if counters else 0,
+                # Distinct task messages samplers dead-lettered (never trained here), read from the DLQ.
+                "tasks_dead_lettered": self._tasks_dead_lettered() if counters else 0,
+                "task_dlq_reasons": self.dead_tasks.reasons(self.stream.seen_ids) if counters else {},
                 "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
                 "skipped_steps": self.skipped_steps,
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
@@ -362,6 +403,15 @@ class Trainer:
     def _write_status(self, finished: bool = False) -> None:
         name = "trainer" if self.is_leader else f"trainer-rank{rank()}"
         write_status(self.run_dir.status(name), {**self.status(), "finished": finished})
+
+
+def _in_background(function: Callable, *args) -> Future:
+    """`function(*args)` on a thread of its own; `result()` waits for it and raises what it raised."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-start")
+    try:
+        return pool.submit(function, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its call
 
 
 def _process_started_at() -> float:

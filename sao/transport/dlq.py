@@ -1,17 +1,24 @@
 """Send messages sao cannot use to a dead-letter topic, unchanged, with the reason in headers.
 
 Nothing is dropped silently: every message a consumer refuses goes here with a short reason
-code, is logged, and is counted in `sao_dlq_messages_total{reason=...}`.
+code, is logged, and is counted in `sao_dlq_messages_total{reason=...}`. `DeadLetteredTasks`
+reads it back: the task messages samplers dead-lettered, whose trajectories will never come.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Container
 from typing import Any
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from sao.metrics import DLQ_MESSAGES
+from sao.schema import SchemaError, Task, Trajectory, decode
+from sao.transport.kafka import make_consumer
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +104,98 @@ def describe_dlq_message(msg: Message) -> dict[str, Any]:
         "dlq_partition": msg.partition(),
         "dlq_offset": msg.offset(),
     }
+
+
+class DeadLetteredTasks:
+    """The task messages samplers dead-lettered, so that whoever waits for their trajectories stops waiting.
+
+    A sampler dead-letters a task (undecodable, its policy version not loadable, its env failed)
+    instead of producing a trajectory, so `handled` must count it. Each task message counts once,
+    by its source partition and offset, however often it was dead-lettered (a redelivered task can
+    be). A group-less consumer (assign, never a group, no commits) reads the DLQ from its beginning,
+    so after any restart the count is rebuilt from the topic alone, with nothing in a checkpoint.
+    It reads what has arrived and stops, instead of reading up to the high watermarks: Tansu
+    reports those wrong (1 for a partition holding 5 messages, measured), so the count is a lower
+    bound that catches up within a refresh or two, never an overcount. Like `sao audit`, it takes
+    every dead letter on the topics it is given as the run's own.
+    """
+
+    def __init__(self, bootstrap: str, dlq_topic: str, tasks_topic: str, every_s: float = 2.0) -> None:
+        self.bootstrap, self.dlq_topic, self.tasks_topic, self.every_s = bootstrap, dlq_topic, tasks_topic, every_s
+        self.consumer: Consumer | None = None  # made at the first refresh: a trainer that never waits needs none
+        # (source partition, source offset) -> (the task's trajectory id, None if undecodable; the first reason)
+        self.letters: dict[tuple[int, int], tuple[str | None, str]] = {}
+        self._refreshed_at = float("-inf")
+
+    def refresh(self, now: bool = False) -> None:
+        """Take in the dead letters that arrived since the last refresh; at most once every `every_s`
+        seconds unless `now`. It never waits: the consumer fetches in the background."""
+        if not now and time.monotonic() - self._refreshed_at < self.every_s:
+            return
+        self._refreshed_at = time.monotonic()
+        if self.consumer is None:
+            self.consumer = self._assigned_consumer()
+        if self.consumer is None:
+            return
+        while messages := self.consumer.consume(num_messages=1000, timeout=0):
+            for msg in messages:
+                if msg.error() is None:
+                    self._note(msg)
+                else:
+                    log.warning("dead-letter topic %s: %s", self.dlq_topic, msg.error())
+
+    def count(self, handled_ids: Container[str] = ()) -> int:
+        """Task messages dead-lettered, less those whose trajectory is in `handled_ids` (see `reasons`)."""
+        return sum(self.reasons(handled_ids).values())
+
+    def reasons(self, handled_ids: Container[str] = ()) -> dict[str, int]:
+        """Task messages dead-lettered, by reason, less those whose trajectory is in `handled_ids`.
+
+        A sampler that dead-letters a task and dies before committing its offset leaves the task to
+        be delivered again, and the next sampler may produce its trajectory after all. Counted both
+        ways, that task would end the wait one trajectory early, so a task whose trajectory the
+        caller already counts (trained or dead-lettered by the trainer) is left out here. An
+        undecodable task has no trajectory id, and can never be produced either. What stays open:
+        a wait that ends on this count before such a redone trajectory arrives does not wait for
+        it; the task then stays dead-lettered (as `sao audit` classes it), not lost.
+        """
+        return dict(Counter(reason for tid, reason in self.letters.values() if tid is None or tid not in handled_ids))
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+            self.consumer = None
+
+    def _assigned_consumer(self) -> Consumer | None:
+        # The group id is never joined (assign) and nothing is committed. A count needs no low latency: a
+        # 500 ms fetch wait keeps the idle consumer at two fetches a second instead of fifty.
+        consumer = make_consumer(self.bootstrap, f"sao-dlq-count-{uuid.uuid4().hex[:12]}", **{"fetch.wait.max.ms": 500})
+        try:
+            metadata = consumer.list_topics(self.dlq_topic, timeout=5).topics.get(self.dlq_topic)
+        except KafkaException as err:
+            metadata = None
+            log.warning("could not read the partitions of dead-letter topic %s (%s); trying again later",
+                        self.dlq_topic, err)
+        if metadata is None or metadata.error is not None or not metadata.partitions:
+            consumer.close()
+            return None
+        consumer.assign([TopicPartition(self.dlq_topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)])
+        return consumer
+
+    def _note(self, msg: Message) -> None:
+        letter = describe_dlq_message(msg)
+        where = (letter["source_partition"], letter["source_offset"])
+        if letter["source_topic"] != self.tasks_topic or None in where or where in self.letters:
+            return  # not a task (a trajectory the trainer refused counts there), not saying where from, or counted
+        self.letters[where] = (_task_trajectory_id(msg.value()), letter["reason"] or "no-reason")
+
+
+def _task_trajectory_id(value: bytes | None) -> str | None:
+    try:
+        task = decode(value, Task)
+    except SchemaError:
+        return None
+    return Trajectory.make_id(task.task_id, task.attempt)
 
 
 def _int_or_none(text: str | None) -> int | None:

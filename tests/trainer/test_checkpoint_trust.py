@@ -8,11 +8,19 @@ sao recorded when it wrote it, checked before anything is unpickled.
 import json
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from sao.trainer.checkpoint import TrainerState, UntrustedCheckpoint, load_checkpoint, save_checkpoint
+from sao.trainer.checkpoint import (
+    TrainerState,
+    UntrustedCheckpoint,
+    has_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from support.trainer_runs import produce_trajectories, trainer_command, write_config
 
 MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -93,14 +101,27 @@ def _latest_to_unrecorded(tag: Path) -> None:  # a DeepSpeed checkpoint sao neve
     (_latest_outside, "names '../evil'"),
     (_latest_to_unrecorded, "holds no record of the files sao wrote"),
 ])
-def test_anything_sao_did_not_write_refuses_the_resume_before_loading(tmp_path, tamper, named):
+@pytest.mark.parametrize("in_background", [False, True], ids=["inline", "in_background"])
+def test_anything_sao_did_not_write_refuses_the_resume_before_loading(tmp_path, tamper, named, in_background):
     directory = saved(tmp_path)
     tamper(directory / "step-00000003")
     engine = FakeEngine()
+    # The trainer verifies on a thread while it builds the engine: the refusal comes out of the load all the same.
+    verified = ThreadPoolExecutor(max_workers=1).submit(verify_checkpoint, directory) if in_background else None
     with pytest.raises(UntrustedCheckpoint, match="refusing to resume") as refused:
-        load_checkpoint(engine, directory)
+        load_checkpoint(engine, directory, verified)
     assert named in str(refused.value) and "fresh run directory" in str(refused.value)
     assert engine.loaded is None  # nothing reached DeepSpeed, so nothing was unpickled
+
+
+def test_a_verification_under_way_is_awaited_and_used_not_repeated(tmp_path):
+    directory = saved(tmp_path)
+    assert has_checkpoint(directory) and not has_checkpoint(tmp_path / "nothing-here")
+    tag, recorded = verify_checkpoint(directory)
+    verified: Future = Future()
+    verified.set_result((tag, {**recorded, "step": 99}))  # stands out from the files' step 3
+    engine = FakeEngine()
+    assert load_checkpoint(engine, directory, verified).step == 99 and engine.loaded == tag
 
 
 def test_a_half_written_tag_of_a_crashed_life_is_replaced_not_blessed(tmp_path):
