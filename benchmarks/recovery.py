@@ -182,7 +182,10 @@ class CrashRun:
 
     def _feed(self) -> None:
         # The ledger's surviving history, not the status file: a killed trainer's count would be rolled back.
-        handled = len(read_ledger(self.run_dir.ledger).times_trained()) + self._trainer_status().get("dead_lettered", 0)
+        # Dead letters count as handled: the trainer's own, and tasks a sampler dead-lettered (sao/transport/dlq.py).
+        status = self._trainer_status()
+        handled = (len(read_ledger(self.run_dir.ledger).times_trained()) + status.get("dead_lettered", 0)
+                   + status.get("tasks_dead_lettered", 0))
         self.feeder.top_up(handled)
         self.fed_at = time.monotonic()
 
