@@ -26,7 +26,9 @@ alike. Two phases per run: throughput (all messages as fast as the path goes: fi
 to last message consumed) and latency (messages paced at --latency-interval-ms, or at twice the
 bulk phase's time per message if that is longer, so nothing queues; end-to-end = produce call,
 encode included, to consumed, decoded and validated). The producer's send times and the
-consumer's arrival times use the same monotonic clock.
+consumer's arrival times use the same monotonic clock. CPU per message is reported for the
+producer process, the consumer and the broker (from /proc, the broker's from the producer's start
+to the last bulk message): on a shared machine throughput follows it.
 
 Headline: sao / bare messages per second at the median size (the upper middle one for an even
 count); `ratio_geomean` is the geometric mean of the ratio over all sizes. No figure is asserted.
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -249,10 +252,20 @@ class Arrivals(NamedTuple):
     times: dict[int, float]  # message index -> when it was in the consumer's hands
     duplicates: int
     bulk_cpu_s: float  # this process's CPU seconds until the last bulk message arrived
+    broker_cpu_s: float  # the broker's CPU seconds from the producer's start until then
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) of process `pid` so far; NaN where /proc does not say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_once(arm: str, bootstrap: str, size: int, messages: int, latency_messages: int, interval_s: float,
-             partitions: int, workdir: Path, timeout_s: float) -> dict:
+             partitions: int, workdir: Path, timeout_s: float, broker_pid: int | None = None) -> dict:
     """One arm at one size: a fresh topic, the reader ready first, then the producer process."""
     from sao.transport.topics import ensure_topics
 
@@ -265,12 +278,14 @@ def run_once(arm: str, bootstrap: str, size: int, messages: int, latency_message
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {arm} consumer got no partitions of {topic} within 60 s")
         out = workdir / f"{topic}.json"
+        broker_cpu_started = process_cpu_s(broker_pid)
         producer = subprocess.Popen(
             [sys.executable, __file__, "--producer", arm, "--bootstrap", bootstrap, "--topic", topic,
              "--size", str(size), "--messages", str(messages), "--latency-messages", str(latency_messages),
              "--latency-interval-ms", str(interval_s * 1000), "--out", str(out)],
             stdin=subprocess.PIPE, text=True)
-        arrivals = _collect(reader, producer, messages, latency_messages, timeout_s)
+        arrivals = _collect(reader, producer, messages, latency_messages, timeout_s,
+                            lambda: process_cpu_s(broker_pid) - broker_cpu_started)
         if producer.wait(timeout=120) != 0:
             raise RuntimeError(f"the {arm} producer exited with {producer.returncode}")
         produced = json.loads(out.read_text())
@@ -282,15 +297,16 @@ def run_once(arm: str, bootstrap: str, size: int, messages: int, latency_message
 
 
 def _collect(reader, producer: subprocess.Popen, messages: int, latency_messages: int,
-             timeout_s: float) -> Arrivals:
-    """Arrival time per message index and this process's CPU from the first to the last bulk message.
+             timeout_s: float, broker_cpu_s) -> Arrivals:
+    """Arrival time per message index, this process's CPU from the first to the last bulk message and the
+    broker's (`broker_cpu_s()`) until then.
 
     Tells the producer to start the paced phase once every bulk message arrived.
     """
     arrived: dict[int, float] = {}
     duplicates = 0
     told = False
-    bulk_cpu_s = math.nan
+    bulk_cpu_s = broker_s = math.nan
     cpu_started: float | None = None  # from the first arrival: idle polling before it is no message's cost
     deadline = time.monotonic() + timeout_s
     while len(arrived) < messages + latency_messages and time.monotonic() < deadline:
@@ -303,7 +319,7 @@ def _collect(reader, producer: subprocess.Popen, messages: int, latency_messages
             arrived.setdefault(index, when)
         if not told and sum(1 for i in arrived if i < messages) == messages:
             # Twice the time per message the bulk phase took: the paced phase then never queues.
-            bulk_cpu_s = time.process_time() - (cpu_started or 0.0)
+            bulk_cpu_s, broker_s = time.process_time() - (cpu_started or 0.0), broker_cpu_s()
             bulk = [when for i, when in arrived.items() if i < messages]
             producer.stdin.write(f"go {2 * (max(bulk) - min(bulk)) / max(1, messages - 1):.6f}\n")
             producer.stdin.flush()
@@ -312,7 +328,7 @@ def _collect(reader, producer: subprocess.Popen, messages: int, latency_messages
         producer.stdin.write("go 0\n")
         producer.stdin.flush()
     producer.stdin.close()
-    return Arrivals(arrived, duplicates, bulk_cpu_s)
+    return Arrivals(arrived, duplicates, bulk_cpu_s, broker_s)
 
 
 def _delete_topics(bootstrap: str, topics: list[str]) -> None:
@@ -328,7 +344,7 @@ def _delete_topics(bootstrap: str, topics: list[str]) -> None:
 
 
 def _figures(arm: str, size: int, messages: int, produced: dict, arrivals: Arrivals, counters) -> dict:
-    arrived, duplicates, consumer_cpu_s = arrivals
+    arrived, duplicates, consumer_cpu_s, broker_cpu_s = arrivals
     sent = produced["sent"]
     bulk = [arrived[i] for i in range(messages) if i in arrived]
     seconds = (max(bulk) - sent[0]) if bulk else math.nan
@@ -341,6 +357,7 @@ def _figures(arm: str, size: int, messages: int, produced: dict, arrivals: Arriv
         # CPU per message of each side's process in the bulk phase: unlike rates, it hardly moves with contention.
         "producer_cpu_us_per_msg": produced["bulk_cpu_s"] / messages * 1e6,
         "consumer_cpu_us_per_msg": consumer_cpu_s / max(1, messages - 1) * 1e6,  # timed from the first
+        "broker_cpu_us_per_msg": broker_cpu_s / messages * 1e6,  # the producer's start-up included
     }
     figures["mb_per_s"] = figures["messages_per_s"] * produced["bytes"] / 1e6
     if counters is not None:
@@ -397,6 +414,7 @@ def summarise(runs: list[dict], sizes: list[int]) -> dict:
                 "latency_n": len(latency),
                 "producer_cpu_us_per_msg": statistics.median(r["producer_cpu_us_per_msg"] for r in mine),
                 "consumer_cpu_us_per_msg": statistics.median(r["consumer_cpu_us_per_msg"] for r in mine),
+                "broker_cpu_us_per_msg": statistics.median(r["broker_cpu_us_per_msg"] for r in mine),
                 "sent": sum(r["sent"] for r in mine), "received": sum(r["received"] for r in mine),
                 "duplicates": sum(r["duplicates"] for r in mine),
                 "dead_lettered": sum(r.get("dead_lettered", 0) for r in mine),
@@ -427,7 +445,7 @@ def print_table(table: dict, sizes: list[int], costs: dict) -> None:
 
     out = Table(title="Trajectory transport on one Tansu broker: sao vs bare confluent-kafka")
     for column in ("size", "arm", "msgs/s", "MB/s", "ratio to bare", "p50 ms", "p99 ms", "received/sent",
-                   "producer CPU µs/msg", "consumer CPU µs/msg", "encode+decode+validate CPU µs"):
+                   "producer CPU µs/msg", "consumer CPU µs/msg", "broker CPU µs/msg", "encode+decode+validate CPU µs"):
         out.add_column(column, justify="right")
     for size in sizes:
         cost = costs[str(size)]
@@ -436,8 +454,9 @@ def print_table(table: dict, sizes: list[int], costs: dict) -> None:
             out.add_row(_human(size), arm, f"{row['messages_per_s']:.0f}", f"{row['mb_per_s']:.1f}",
                         f"{row.get('ratio_to_bare', 1.0):.3f}", f"{row['latency_p50_ms']:.1f}",
                         f"{row['latency_p99_ms']:.1f}", f"{row['received']}/{row['sent']}",
-                        f"{row['producer_cpu_us_per_msg']:.0f}", f"{row['consumer_cpu_us_per_msg']:.0f}", work)
-    Console(width=max(160, Console().width)).print(out)  # 11 columns: never squeeze them into 80
+                        f"{row['producer_cpu_us_per_msg']:.0f}", f"{row['consumer_cpu_us_per_msg']:.0f}",
+                        f"{row['broker_cpu_us_per_msg']:.0f}", work)
+    Console(width=max(180, Console().width)).print(out)  # 12 columns: never squeeze them into 80
 
 
 def _human(size: int) -> str:
@@ -489,7 +508,7 @@ def main() -> None:
                 for arm in arms[shift:] + arms[:shift]:  # a different arm goes first each time
                     runs.append(run_once(arm, broker.bootstrap_servers, size, count, args.latency_messages,
                                          args.latency_interval_ms / 1000, partitions, Path(workdir),
-                                         args.timeout_s))
+                                         args.timeout_s, broker.pid))
                     print(f"{_human(size)} {arm}: {runs[-1]['messages_per_s']:.0f} msgs/s", file=sys.stderr)
     table = summarise(runs, sizes)
     print_table(table, sizes, costs)

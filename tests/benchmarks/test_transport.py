@@ -38,6 +38,7 @@ def test_every_arm_delivers_every_message_and_the_headline_is_consistent(tmp_pat
             assert row["latency_p50_ms"] <= row["latency_p99_ms"]
             assert math.isfinite(row["messages_per_s"]) and row["mb_per_s"] > 0
             assert row["producer_cpu_us_per_msg"] > 0 and row["consumer_cpu_us_per_msg"] > 0
+            assert math.isfinite(row["broker_cpu_us_per_msg"]) and row["broker_cpu_us_per_msg"] >= 0  # 10 ms ticks
         assert arms["sao"]["ratio_to_bare"] == pytest.approx(arms["sao"]["messages_per_s"]
                                                              / arms["bare"]["messages_per_s"])
     assert {"fetch.wait.max.ms", "session.timeout.ms"} <= result["settings"]["sao_consumer"].keys()

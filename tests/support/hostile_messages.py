@@ -20,7 +20,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from sao.schema import pack_array
+from sao.schema import SCHEMA_VERSION, pack_array
 
 Message = dict | bytes
 Path = tuple  # keys and list indices from the top of a wire map
@@ -70,7 +70,8 @@ def _hostile_array(draw, packed: dict) -> dict:
         slots = draw(st.integers(0, 3))
         return pack_array(np.full((slots, draw(_WIDTHS)), draw(st.integers(-128, 127)), np.int8), np.int8)
     if how == "length":  # sizes: empty or long (bounded: a test may score whatever passes)
-        count = draw(st.integers(0, 128))
+        # Now and then very long: one array holds every step's tokens, so this is how a message outgrows a size bound.
+        count = draw(st.integers(0, 128)) if draw(st.integers(0, 9)) else 4096
         return pack_array(np.full(count, 0.0 if dtype.kind == "f" else 5), dtype)
     # Mostly as many elements as before: a length that no longer matches its neighbours' is the schema's job.
     count = packed["shape"][0] if draw(st.integers(0, 2)) else draw(st.integers(0, 8))
@@ -126,7 +127,9 @@ def garbage() -> st.SearchStrategy[bytes]:
 
 def envelope_maps(kind: str, field_names: list[str]) -> st.SearchStrategy[dict]:
     """Maps with (mostly) the right envelope and any of the real field names, holding anything."""
-    envelope = st.fixed_dictionaries({"schema": st.sampled_from([1, 1, 1, 0, 2, "1", None]),
+    version = SCHEMA_VERSION  # mostly the current one, so that the fields behind the envelope are reached
+    envelope = st.fixed_dictionaries({"schema": st.sampled_from([version, version, version, 0, version - 1,
+                                                                 version + 1, str(version), None]),
                                       "kind": st.sampled_from([kind, kind, "task", 7])})
     fields = st.dictionaries(st.sampled_from(field_names), WRONG_TYPES, max_size=6)
     return st.tuples(envelope, fields).map(lambda pair: {**pair[1], **pair[0]})

@@ -158,7 +158,8 @@ _INTS = [-(2**31), -5, -1, 0, 1, 3, VOCAB - 1, VOCAB, 10**6, 2**31 - 1]
 def _mutate(wire: dict, rng: np.random.Generator) -> bytes:
     """Change 1-3 random fields of a trajectory's wire map to hostile values; the bytes."""
     obj = copy.deepcopy(wire)
-    step = obj["steps"][int(rng.integers(len(obj["steps"])))]
+    steps = obj["steps"]
+    index = int(rng.integers(len(steps["rewards"])))  # the step whose scalars change
     for _ in range(int(rng.integers(1, 4))):
         target = int(rng.integers(8))
         if target == 0:
@@ -166,24 +167,24 @@ def _mutate(wire: dict, rng: np.random.Generator) -> bytes:
         elif target == 1:
             obj[str(rng.choice(["behaviour_version", "recent_window"]))] = int(rng.choice(_INTS + [2**40]))
         elif target == 2:
-            step["reward"] = float(rng.choice(_FLOATS))
-        elif target == 3:  # token ids
-            ids = pack_array(rng.choice(_INTS, int(rng.integers(0, 4))), np.int32)
+            steps["rewards"][index] = float(rng.choice(_FLOATS))
+        elif target == 3:  # token ids: a new prompt, or hostile ids somewhere in the steps' buffer
             if rng.random() < 0.5:
-                obj["prompt_ids"] = ids
+                obj["prompt_ids"] = pack_array(rng.choice(_INTS, int(rng.integers(0, 4))), np.int32)
             else:
-                step[str(rng.choice(["observation_ids", "action_ids"]))] = ids
+                ids = np.frombuffer(steps["token_ids"]["data"], np.int32).copy()
+                ids[rng.integers(len(ids), size=int(rng.integers(1, 4)))] = rng.choice(_INTS)
+                steps["token_ids"] = pack_array(ids, np.int32)
         elif target == 4:
-            count = len(np.frombuffer(step["action_ids"]["data"], np.int32))
-            step["behaviour_logprobs"] = pack_array(rng.choice(_FLOATS, count), np.float32)
+            count = len(np.frombuffer(steps["behaviour_logprobs"]["data"], np.float32))
+            steps["behaviour_logprobs"] = pack_array(rng.choice(_FLOATS, count), np.float32)
         else:  # memory: width, slot count, scales, and which slots the steps see
             slots, width = int(rng.integers(0, 3)), int(rng.choice([0, 7, 384, 385]))
             obj["memory"] = {"vectors": pack_array(rng.integers(-127, 128, (slots, width)), np.int8),
                              "scales": pack_array(rng.choice(_FLOATS, slots), np.float32),
                              "spans": pack_array(np.zeros((slots, 2)), np.int32),
                              "reward_sums": pack_array(rng.choice(_FLOATS, slots), np.float32)}
-            for each in obj["steps"]:
-                each["memory_count"] = int(rng.integers(0, slots + 1))
+            steps["memory_counts"] = [int(rng.integers(0, slots + 1)) for _ in steps["memory_counts"]]
     return msgpack.packb(obj, use_bin_type=True)
 
 
