@@ -199,6 +199,10 @@ class Trainer:
         """Task messages samplers dead-lettered whose trajectory this trainer has not met (see DeadLetteredTasks)."""
         return self.dead_tasks.count(self.stream.seen_ids)
 
+    def _done_with(self) -> int:
+        """Trajectories handled here plus those that will never come (their task was dead-lettered)."""
+        return self._handled() + self._tasks_dead_lettered()
+
     def _all_handled(self, expected: int | None) -> bool:
         """Every expected trajectory was handled here, or will never come: its task was dead-lettered.
 
@@ -206,9 +210,9 @@ class Trainer:
         """
         if expected is None:
             return False
-        if self._handled() + self._tasks_dead_lettered() < expected:
+        if self._done_with() < expected:
             self.dead_tasks.refresh()
-        return self._handled() + self._tasks_dead_lettered() >= expected
+        return self._done_with() >= expected
 
     def _released_batch_handled(self) -> bool:
         """run.mode = sync: all of the batch the feeder released is here or dead-lettered, so train it as it is.
@@ -217,7 +221,7 @@ class Trainer:
         batch's step; so once the handled count is a whole multiple of it, nothing more is coming.
         """
         return (self.config.run.mode == "sync" and len(self.buffer) > 0
-                and (self._handled() + self._tasks_dead_lettered()) % self.config.trainer.batch_size == 0)
+                and self._done_with() % self.config.trainer.batch_size == 0)
 
     def _should_stop(self, expected: int | None) -> bool:
         if not self.is_leader:
