@@ -226,7 +226,13 @@ class TrainerConfig(Section):
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running-mean baselines; a key's first 1/(1-momentum) "
                                      "rewards are averaged plainly, so one early reward does not dominate.")
-    whiten_advantages: bool = Field(True, description="Normalise advantages over the batch (mean 0, std 1).")
+    turn_credit: Literal["auto", "reward_to_go", "own_reward"] = Field(
+        "auto", description="What a turn's tokens are credited with. reward_to_go: the rewards from that turn to the "
+                            "episode's end (a move earns what it led to). own_reward: that turn's reward only, so a "
+                            "wrong first answer does not share in the retry's reward. auto: own_reward for envs whose "
+                            "turns are attempts at one question (arithmetic, humaneval), else reward_to_go. Each turn "
+                            "has its own baseline. Measured: benchmarks/README.md.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the batch's turns (mean 0, std 1).")
     value_head: bool = Field(
         False, description="Learn V(context) with a linear head on the LM's last hidden state; each step's advantage "
                            "becomes reward - V (detached, not whitened) instead of reward - running baseline.")

@@ -18,8 +18,6 @@ import re
 from functools import lru_cache
 from typing import Any
 
-import reasoning_gym
-
 from sao.config import EnvConfig
 from sao.envs.base import Feedback, GenerationDefaults, check_split
 from sao.schema import Task
@@ -41,6 +39,8 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 @lru_cache(maxsize=8)
 def _dataset(name: str, size: int, seed: int, options: tuple[tuple[str, Any], ...]):
+    import reasoning_gym  # 2.5 s: imported when tasks are made, not by whoever only reads the class (the trainer)
+
     kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in options}
     return reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
 
@@ -122,6 +122,7 @@ class ArithmeticEnv:
     """Up to `max_turns` attempts; a right answer at attempt k earns score * retry_discount**k."""
 
     name = "arithmetic"
+    turns_are_attempts = True  # each turn answers the same question again: credit each with its own reward
     generation_defaults = GenerationDefaults(
         system_prompt="You are a calculator. Reply with only the final answer as a single number.", max_new_tokens=24)
 

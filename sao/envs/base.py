@@ -43,7 +43,9 @@ class Env(Protocol):
     The class also provides two classmethods: `from_config` builds an instance in each sampler,
     and `make_tasks` lists tasks for the feeder (`split="train"`) or for evaluation (`split="eval"`:
     held-out tasks, disjoint from training; any other split is a ValueError).
-    An env class may set `generation_defaults = GenerationDefaults(...)` (see the registry).
+    An env class may set `generation_defaults = GenerationDefaults(...)` (see the registry), and
+    `turns_are_attempts = True` when every turn answers the same question again (a retry), not a
+    move in a longer task: `trainer.turn_credit = "auto"` then credits each turn with its own reward.
     """
 
     name: str

@@ -87,6 +87,7 @@ class HumanEvalEnv:
     """Up to `max_turns` attempts at one HumanEval function; unit tests decide the reward."""
 
     name = "humaneval"
+    turns_are_attempts = True  # each turn answers the same question again: credit each with its own reward
     generation_defaults = GenerationDefaults(
         system_prompt="You are an expert Python programmer. Reply with the complete function in one "
                       "```python code block.",

@@ -69,6 +69,13 @@ class GenerationSettings:
     stop: tuple[str, ...]
 
 
+def turn_credit(config: SaoConfig) -> str:
+    """`trainer.turn_credit` with `auto` resolved by the env: own_reward for retries of one question."""
+    if config.trainer.turn_credit != "auto":
+        return config.trainer.turn_credit
+    return "own_reward" if getattr(env_class(config.env.name), "turns_are_attempts", False) else "reward_to_go"
+
+
 def generation_settings(config: SaoConfig) -> GenerationSettings:
     defaults = getattr(env_class(config.env.name), "generation_defaults", GenerationDefaults())
     policy = config.policy

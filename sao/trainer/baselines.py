@@ -12,8 +12,13 @@ estimates the reward a trajectory should have earned (`trainer.baseline_key`):
   policy always solves earns ~0 advantage instead of the batch's most positive one. The prompt,
   not the task spec, because the trainer has it for every env without a schema change, and the
   policy cannot tell two tasks with the same prompt apart anyway.
-- `leave_one_out`: the mean reward of the batch's other trajectories (no state). Whitened, it is
-  exactly no baseline (it is n/(n-1) times the centring whitening does); it helps only unwhitened.
+- `leave_one_out`: the mean return of the batch's other trajectories at the same turn (no state).
+  On one-turn batches, whitened, it is exactly no baseline (n/(n-1) times the centring whitening
+  does); it helps only unwhitened.
+
+Every turn of an episode has its own baselines: what turn 2 of a retry env can still earn is not
+what turn 1 could. Turn 0 keeps the plain keys (`env:arithmetic`), so older checkpoints still
+load; turn k > 0 adds `:turn<k>`.
 
 Each running mean is a plain mean of its first 1/(1 - momentum) rewards, then an EMA, so a key seen
 twice is not stuck near its first reward. Saved in checkpoints; an old state dict (no counts)
@@ -25,7 +30,6 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-import torch
 
 from sao.schema import Trajectory
 
@@ -39,6 +43,10 @@ def prompt_digest(prompt_ids: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(prompt_ids, dtype="<i4").tobytes(), digest_size=8).hexdigest()
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 class RewardBaseline:
     """Per-trajectory reward baselines (see the module doc); `update` only once a step was applied."""
 
@@ -49,43 +57,48 @@ class RewardBaseline:
         self.values: dict[str, float] = {}  # insertion order = least recently updated first
         self.counts: dict[str, int] = {}  # rewards seen per key, up to the warm-up length
 
-    def _keys(self, trajectory: Trajectory) -> list[str]:
-        """The keys a trajectory updates, the fallback first and the most specific last."""
-        keys = [f"env:{trajectory.env}"]
+    def _keys(self, trajectory: Trajectory, turn: int = 0) -> list[str]:
+        """The keys a trajectory's turn updates, the fallback first and the most specific last."""
+        suffix = f":turn{turn}" if turn else ""
+        keys = [f"env:{trajectory.env}{suffix}"]
         if self.key == "task_id":
-            keys.append(f"task:{trajectory.task_id}")
+            keys.append(f"task:{trajectory.task_id}{suffix}")
         elif self.key == "prompt":
-            keys.append(f"prompt:{trajectory.env}:{prompt_digest(trajectory.prompt_ids)}")
+            keys.append(f"prompt:{trajectory.env}:{prompt_digest(trajectory.prompt_ids)}{suffix}")
         return keys
 
-    def value(self, trajectory: Trajectory) -> float:
-        """The most specific running mean known for this trajectory (0 before any reward)."""
-        for key in reversed(self._keys(trajectory)):
+    def value(self, trajectory: Trajectory, turn: int = 0) -> float:
+        """The most specific running mean known for this trajectory's turn (0 before any return)."""
+        for key in reversed(self._keys(trajectory, turn)):
             if key in self.values:
                 return self.values[key]
         return 0.0
 
-    def values_for(self, batch: list[Trajectory]) -> torch.Tensor:
-        """One baseline per trajectory of the batch, as `plan_batch` subtracts them."""
+    def values_for(self, batch: list[Trajectory], returns: list[list[float]]) -> list[list[float]]:
+        """One baseline per turn of each trajectory of the batch, as `plan_batch` subtracts them."""
         if self.key == "leave_one_out" and len(batch) > 1:
-            rewards = torch.tensor([t.total_reward for t in batch])
-            return (rewards.sum() - rewards) / (len(batch) - 1)
-        return torch.tensor([self.value(t) for t in batch])
+            return [[_mean([other[turn] for j, other in enumerate(returns) if j != i and len(other) > turn])
+                     for turn in range(len(own))] for i, own in enumerate(returns)]
+        return [[self.value(t, turn) for turn in range(len(own))] for t, own in zip(batch, returns)]
 
-    def update(self, trajectory: Trajectory) -> None:
-        reward = trajectory.total_reward
-        for key in self._keys(trajectory):
-            count = min(self.counts.get(key, 0) + 1, self._warmed_up)
-            rate = max(1 - self.momentum, 1 / count)  # a plain mean until the EMA's window is full
-            previous = self.values.pop(key, 0.0)  # re-inserted last: most recently updated
-            self.values[key] = previous + rate * (reward - previous)
-            self.counts[key] = count
+    def update(self, trajectory: Trajectory, returns: list[float]) -> None:
+        """Learn the returns of each of the trajectory's turns (`plan_batch` computed them)."""
+        for turn, reward in enumerate(returns):
+            self._learn(self._keys(trajectory, turn), reward)
         while len(self.values) > self.max_keys:
             oldest = next((k for k in self.values if not k.startswith("env:")), None)
             if oldest is None:  # only env keys left: those are the fallbacks, never dropped
                 break
             del self.values[oldest]
             self.counts.pop(oldest, None)
+
+    def _learn(self, keys: list[str], reward: float) -> None:
+        for key in keys:
+            count = min(self.counts.get(key, 0) + 1, self._warmed_up)
+            rate = max(1 - self.momentum, 1 / count)  # a plain mean until the EMA's window is full
+            previous = self.values.pop(key, 0.0)  # re-inserted last: most recently updated
+            self.values[key] = previous + rate * (reward - previous)
+            self.counts[key] = count
 
     @property
     def _warmed_up(self) -> int:

@@ -9,6 +9,7 @@ equal the full-batch loss: 1 rank and 2 ranks follow the same curve.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,39 +27,64 @@ from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
 @dataclass(frozen=True)
 class BatchPlan:
     trajectories: list[Trajectory]
-    advantages: list[float]
+    advantages: list[list[float]]  # per trajectory, one per turn (step)
     staleness: list[int]
+    returns: list[list[float]]  # per trajectory, what each turn is credited with (`turn_returns`)
 
 
-def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int,
-               group_size: int = 1) -> BatchPlan:
-    """Advantages for the whole batch against the baselines as they stand (`record_rewards` updates them).
+def turn_returns(trajectory: Trajectory, credit: str) -> list[float]:
+    """What each turn's tokens are credited with (`trainer.turn_credit`; `auto` unresolved = reward_to_go).
 
-    SAO: reward minus the trajectory's baseline (`trainer.baseline_key`; never a group mean, which
-    is zero at group size 1). GRPO (group_size > 1): reward minus the mean of its group of attempts.
-    Whitening subtracts the batch mean, so a baseline equal for the whole batch (`env`) or an affine
-    function of the rewards (`leave_one_out`) leaves whitened advantages as they would be without.
+    own_reward: the turn's own reward. In a retry env a wrong first answer followed by a right one
+    would otherwise earn the retry's reward, and the policy learns to answer wrong first (measured:
+    benchmarks/README.md). reward_to_go: the rewards from the turn to the episode's end.
     """
-    rewards = torch.tensor([t.total_reward for t in batch])
-    if cfg.algorithm == "grpo":
-        group_means = {}
-        for task_id in {t.task_id for t in batch}:
-            group_means[task_id] = rewards[[i for i, t in enumerate(batch) if t.task_id == task_id]].mean()
-        advantages = rewards - torch.stack([group_means[t.task_id] for t in batch])
-    else:
-        advantages = rewards - baseline.values_for(batch)
+    rewards = [float(step.reward) for step in trajectory.steps]
+    if credit == "own_reward":
+        return rewards
+    return list(itertools.accumulate(reversed(rewards)))[::-1]
+
+
+def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int) -> BatchPlan:
+    """Per-turn advantages for the whole batch against the baselines as they stand (`record_rewards` updates them).
+
+    SAO: a turn's return minus that turn's baseline (`trainer.baseline_key`; never a group mean, which
+    is zero at group size 1). GRPO: minus the mean return at that turn of its group's attempts.
+    Whitening is over every turn of the batch, so a baseline equal for the whole batch (`env`) leaves
+    whitened advantages as they would be without.
+    """
+    returns = [turn_returns(t, cfg.turn_credit) for t in batch]
+    baselines = _group_means(batch, returns) if cfg.algorithm == "grpo" else baseline.values_for(batch, returns)
+    advantages = [[g - b for g, b in zip(own, base)] for own, base in zip(returns, baselines)]
     if cfg.whiten_advantages:
-        advantages = whiten(advantages)
-    return BatchPlan(batch, advantages.tolist(), [policy_version - t.behaviour_version for t in batch])
+        flat = whiten(torch.tensor([a for turns in advantages for a in turns])).tolist()
+        advantages, start = [], 0
+        for own in returns:
+            advantages.append(flat[start:start + len(own)])
+            start += len(own)
+    return BatchPlan(batch, advantages, [policy_version - t.behaviour_version for t in batch], returns)
+
+
+def _group_means(batch: list[Trajectory], returns: list[list[float]]) -> list[list[float]]:
+    """GRPO's baseline: the mean return at each turn over the attempts of the same task that reached it."""
+    groups: dict[str, list[int]] = {}
+    for index, trajectory in enumerate(batch):
+        groups.setdefault(trajectory.task_id, []).append(index)
+    means = []
+    for trajectory, own in zip(batch, returns):
+        members = [returns[j] for j in groups[trajectory.task_id]]
+        means.append([sum(m[turn] for m in members if len(m) > turn) / sum(len(m) > turn for m in members)
+                      for turn in range(len(own))])
+    return means
 
 
 def record_rewards(plan: BatchPlan, baseline: RewardBaseline) -> None:
-    """After a step was applied: the running baselines learn the rewards of what it trained on.
+    """After a step was applied: the running baselines learn the returns of what it trained on.
 
     Never before: a step skipped for a non-finite loss must not leave its rewards behind.
     """
-    for trajectory in plan.trajectories:
-        baseline.update(trajectory)
+    for trajectory, returns in zip(plan.trajectories, plan.returns):
+        baseline.update(trajectory, returns)
 
 
 def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cfg: TrainerConfig,
@@ -68,16 +94,14 @@ def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cf
     for local, index in enumerate(indices if indices else [0]):
         trajectory = plan.trajectories[index]
         fresh = cfg.freshness_decay ** plan.staleness[index] if indices else 0.0
-        to_go = float(sum(step.reward for step in trajectory.steps))
-        for step_input, step in zip(training_inputs(trajectory), trajectory.steps):
+        for turn, (step_input, step) in enumerate(zip(training_inputs(trajectory), trajectory.steps)):
             inputs.append(step_input)
-            row_weights.append(plan.advantages[index] * fresh)
+            row_weights.append(plan.advantages[index][turn] * fresh)
             behaviour.append(torch.from_numpy(step.behaviour_logprobs.copy()))
             temperatures.append(trajectory.temperature)
             row_trajectory.append(local)
-            returns.append(to_go)  # return-to-go of this step: the value head's target
+            returns.append(plan.returns[index][turn])  # the value head's target
             freshness.append(fresh)
-            to_go -= step.reward
     device = engine.device
     scoring = collate_steps(inputs, memory_dim, temperatures).to(device)
     behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=device)

@@ -25,12 +25,13 @@ import torch.distributed as dist
 from sao import metrics
 from sao.compression.semantic import encoder_dim
 from sao.config import SaoConfig, to_toml
+from sao.envs.registry import turn_credit
 from sao.policy.weights import build_policy
 from sao.run_dir import RunDir
 from sao.schema import Trajectory
 from sao.status import StepRecord, attempt_success, process_usage, write_status
 from sao.trainer.baselines import RewardBaseline
-from sao.trainer.batch import plan_batch, record_rewards
+from sao.trainer.batch import plan_batch, record_rewards, turn_returns
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
 from sao.trainer.checkpoint import TrainerState, has_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from sao.trainer.distributed import broadcast_batch, rank, world_size
@@ -50,7 +51,9 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, config: SaoConfig, bootstrap: str, run_dir: Path, resume: bool = False):
         torch.set_num_threads(config.trainer.threads())
-        self.config = config
+        # `auto` resolved once, by the env: every turn of every batch is credited the same way.
+        resolved = config.trainer.model_copy(update={"turn_credit": turn_credit(config)})
+        self.config = config = config.model_copy(update={"trainer": resolved})
         self.run_dir = RunDir(run_dir)
         # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
         self.startup_s: dict[str, float] = {}
@@ -259,7 +262,7 @@ class Trainer:
         return []
 
     def _advantage_of(self, trajectory: Trajectory) -> float:
-        return trajectory.total_reward - self.baseline.value(trajectory)
+        return turn_returns(trajectory, self.config.trainer.turn_credit)[0] - self.baseline.value(trajectory)
 
     # --- training (every rank) ------------------------------------------------------------
 
@@ -304,7 +307,7 @@ class Trainer:
         attempts = [attempt_success([step.reward for step in t.steps]) for t in trajectories]
         record = StepRecord(
             step=self.state.step, policy_version=trained_version, trained_at=now,
-            rewards=[t.total_reward for t in trajectories], advantages=list(plan.advantages),
+            rewards=[t.total_reward for t in trajectories], advantages=[a for turns in plan.advantages for a in turns],
             behaviour_versions=[t.behaviour_version for t in trajectories], staleness=list(plan.staleness),
             compression_ratios=[t.compression.get("ratio", 1.0) for t in trajectories],
             sampling_to_training_s=[now - t.created_at for t in trajectories],

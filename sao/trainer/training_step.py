@@ -119,7 +119,7 @@ def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int) ->
     """The trajectories of `plan` that raise when scored alone (forward only), with their errors."""
     failed = []
     for index, trajectory in enumerate(plan.trajectories):
-        alone = BatchPlan([trajectory], [plan.advantages[index]], [plan.staleness[index]])
+        alone = BatchPlan([trajectory], [plan.advantages[index]], [plan.staleness[index]], [plan.returns[index]])
         try:
             with torch.no_grad():
                 rank_loss(engine, alone, [0], 1.0, cfg, memory_dim)

@@ -9,6 +9,7 @@ from sao.schema import Memory, Step, Trajectory
 from sao.trainer.baselines import RewardBaseline, prompt_digest
 from sao.trainer.batch import plan_batch, record_rewards
 from sao.trainer.objectives import whiten
+from support.advantages import flat, one_turn
 
 _ids = iter(range(10**9))
 
@@ -39,14 +40,14 @@ def test_prompt_key_gives_a_recurring_question_its_own_history():
     assert by_id.value(trajectory(1, 0.0)) == by_id.value(trajectory(2, 0.0)) == pytest.approx(0.5)
     # ...while a plugin env whose ids name the task gets one value per id.
     repeat = trajectory(1, 0.0)
-    by_id.update(repeat)
+    by_id.update(*one_turn(repeat))
     assert by_id.value(repeat) == 0.0 and by_id.value(trajectory(1, 1.0)) == pytest.approx(0.4)
 
 
 def _whitened_advantages(key: str, history: list[Trajectory], batch: list[Trajectory]) -> list[float]:
     baseline = RewardBaseline(key=key, momentum=0.9)
     _train(baseline, history)
-    return plan_batch(batch, baseline, TrainerConfig(whiten_advantages=True), policy_version=0).advantages
+    return flat(plan_batch(batch, baseline, TrainerConfig(whiten_advantages=True), policy_version=0).advantages)
 
 
 def test_a_question_always_solved_earns_no_advantage_with_the_prompt_key_and_the_most_with_env():
@@ -81,7 +82,7 @@ def test_env_and_leave_one_out_baselines_change_nothing_once_whitened():
     # ...while unwhitened both do subtract something, so the equality above is not vacuous.
     env = RewardBaseline(key="env", momentum=0.9)
     _train(env, history)
-    unwhitened = plan_batch(batch, env, TrainerConfig(whiten_advantages=False), policy_version=0).advantages
+    unwhitened = flat(plan_batch(batch, env, TrainerConfig(whiten_advantages=False), policy_version=0).advantages)
     assert unwhitened == pytest.approx([t.total_reward - 0.65 for t in batch])
 
 
@@ -89,19 +90,19 @@ def test_leave_one_out_subtracts_the_other_trajectories_mean():
     baseline = RewardBaseline(key="leave_one_out")
     batch = [trajectory(1, 1.0), trajectory(2, 0.0), trajectory(3, 0.5)]
     plan = plan_batch(batch, baseline, TrainerConfig(whiten_advantages=False), policy_version=0)
-    assert plan.advantages == pytest.approx([1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5])
+    assert flat(plan.advantages) == pytest.approx([1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5])
     record_rewards(plan, baseline)
     # A batch of one has no others: it falls back to the env's running mean.
     alone = plan_batch([trajectory(4, 1.0)], baseline, TrainerConfig(whiten_advantages=False), policy_version=0)
-    assert alone.advantages == pytest.approx([0.5])
+    assert flat(alone.advantages) == pytest.approx([0.5])
 
 
 def test_a_running_mean_averages_its_first_rewards_then_becomes_an_ema():
     baseline = RewardBaseline(key="prompt", momentum=0.75)  # plain mean of the first 4, then EMA(0.75)
     for reward in (1.0, 0.0, 1.0, 0.0):
-        baseline.update(trajectory(1, reward))
+        baseline.update(*one_turn(trajectory(1, reward)))
     assert baseline.value(trajectory(1, 0.0)) == pytest.approx(0.5)  # an EMA from the first reward: 0.58
-    baseline.update(trajectory(1, 1.0))
+    baseline.update(*one_turn(trajectory(1, 1.0)))
     assert baseline.value(trajectory(1, 0.0)) == pytest.approx(0.75 * 0.5 + 0.25 * 1.0)
 
 
@@ -112,15 +113,15 @@ def test_state_dict_round_trip_and_old_checkpoints_still_load():
     restored.load_state_dict(baseline.state_dict())
     for question in (1, 2, 77):
         assert restored.value(trajectory(question, 0.0)) == baseline.value(trajectory(question, 0.0))
-    restored.update(trajectory(1, 1.0))
-    baseline.update(trajectory(1, 1.0))
+    restored.update(*one_turn(trajectory(1, 1.0)))
+    baseline.update(*one_turn(trajectory(1, 1.0)))
     assert restored.value(trajectory(1, 0.0)) == baseline.value(trajectory(1, 0.0))  # counts came along
 
     # A checkpoint from before prompt keys and counts: env (and task) values, plain EMAs.
     old = RewardBaseline(key="prompt", momentum=0.9)
     old.load_state_dict({"key": "env", "momentum": 0.9, "values": {"env:arithmetic": 0.4, "task:t1": 1.0}})
     assert old.value(trajectory(5, 0.0)) == pytest.approx(0.4)  # the env value is the fallback
-    old.update(trajectory(5, 1.0))
+    old.update(*one_turn(trajectory(5, 1.0)))
     assert old.value(trajectory(6, 0.0)) == pytest.approx(0.9 * 0.4 + 0.1 * 1.0)  # still a warmed-up EMA
     assert old.value(trajectory(5, 0.0)) == 1.0  # a new key starts from its first reward
 
@@ -128,7 +129,7 @@ def test_state_dict_round_trip_and_old_checkpoints_still_load():
 def test_least_recently_updated_prompts_are_dropped_beyond_max_keys():
     baseline = RewardBaseline(key="prompt", momentum=0.9, max_keys=3)  # env + 2 prompts
     for question, reward in ((1, 1.0), (2, 1.0), (1, 1.0), (3, 0.0)):
-        baseline.update(trajectory(question, reward))
+        baseline.update(*one_turn(trajectory(question, reward)))
     assert len(baseline.values) == 3 and "env:arithmetic" in baseline.values
     env = baseline.values["env:arithmetic"]
     assert baseline.value(trajectory(2, 0.0)) == env  # 2 was the least recently updated: gone

@@ -1,5 +1,7 @@
 """Advantages per algorithm: group means for the GRPO baseline, running baselines for SAO."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -7,8 +9,9 @@ import torch
 from sao.config import TrainerConfig
 from sao.schema import Memory, Step, Trajectory
 from sao.trainer.baselines import RewardBaseline
-from sao.trainer.batch import plan_batch, record_rewards
+from sao.trainer.batch import plan_batch, record_rewards, turn_returns
 from sao.trainer.objectives import LossInputs, policy_loss
+from support.advantages import flat, one_turn
 
 
 def trajectory(task_id: str, reward: float, attempt: int = 0, version: int = 0, prompt_token: int = 0) -> Trajectory:
@@ -22,16 +25,16 @@ def test_grpo_uses_group_means():
     batch = [trajectory("a", 1.0, 0), trajectory("a", 0.0, 1), trajectory("b", 1.0, 0), trajectory("b", 1.0, 1)]
     cfg = TrainerConfig(algorithm="grpo", group_size=2, batch_size=4, whiten_advantages=False)
     plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=3)
-    assert plan.advantages == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    assert flat(plan.advantages) == pytest.approx([0.5, -0.5, 0.0, 0.0])
     assert plan.staleness == [3, 3, 3, 3]
 
 
 def test_sao_uses_the_running_baseline_and_updates_it_only_once_the_step_is_applied():
     baseline = RewardBaseline(key="env", momentum=0.5)
-    baseline.update(trajectory("warmup", 0.5))
+    baseline.update(*one_turn(trajectory("warmup", 0.5)))
     cfg = TrainerConfig(whiten_advantages=False)
     plan = plan_batch([trajectory("a", 1.0), trajectory("b", 0.0)], baseline, cfg, policy_version=0)
-    assert plan.advantages == pytest.approx([0.5, -0.5])
+    assert flat(plan.advantages) == pytest.approx([0.5, -0.5])
     assert baseline.value(trajectory("c", 0.0)) == 0.5  # planning leaves it alone: the step may yet be skipped
     record_rewards(plan, baseline)
     assert baseline.value(trajectory("c", 0.0)) == pytest.approx(0.5 * (0.5 * 0.5 + 0.5 * 1.0) + 0.5 * 0.0)
@@ -43,18 +46,74 @@ def _gradient(cfg: TrainerConfig, baseline: RewardBaseline) -> torch.Tensor:
     plan = plan_batch(batch, baseline, cfg, policy_version=0)
     logprobs = torch.full((4, 3), -1.0, requires_grad=True)
     loss, _ = policy_loss(LossInputs(logprobs, torch.full((4, 3), -1.0), torch.ones(4, 3, dtype=torch.bool),
-                                     torch.tensor(plan.advantages), torch.arange(4), 4), cfg)
+                                     torch.tensor(flat(plan.advantages)), torch.arange(4), 4), cfg)
     loss.backward()
     return logprobs.grad
 
 
 def test_single_trajectory_gradient_is_zero_with_group_means_but_not_with_sao():
     baseline = RewardBaseline(key="env", momentum=0.9)
-    baseline.update(trajectory("seen-before", 0.3))
+    baseline.update(*one_turn(trajectory("seen-before", 0.3)))
     assert _gradient(TrainerConfig(), baseline).abs().sum() > 0
     grpo = TrainerConfig.model_construct(**{**TrainerConfig().model_dump(), "algorithm": "grpo", "group_size": 1})
     assert _gradient(grpo, RewardBaseline()).abs().sum() == 0
 
+
+
+def retry(task_id: str, second_reward: float, prompt_token: int = 0) -> Trajectory:
+    """A retry episode: a wrong first answer (reward 0), then a second answer earning `second_reward`."""
+    wrong = Step(np.zeros(2, np.int32), np.ones(3, np.int32), np.full(3, -1.0, np.float32), 0.0, False, 0)
+    second = Step(np.zeros(2, np.int32), np.ones(3, np.int32), np.full(3, -1.0, np.float32), second_reward, True, 0)
+    return replace(trajectory(task_id, 0.0, prompt_token=prompt_token), steps=[wrong, second])
+
+
+def test_turn_returns_credit_a_turn_with_its_own_reward_or_what_follows():
+    episode = retry("a", 0.5)
+    assert turn_returns(episode, "own_reward") == [0.0, 0.5]
+    assert turn_returns(episode, "reward_to_go") == [0.5, 0.5]
+    assert turn_returns(episode, "auto") == [0.5, 0.5]  # unresolved auto: reward_to_go
+
+
+def test_own_reward_stops_a_retry_from_rewarding_the_wrong_first_answer():
+    # Three one-turn failures and a retry that succeeded: with reward_to_go the wrong first answer of
+    # the retry is the batch's best action; with own_reward it is no better than any other wrong one.
+    batch = [trajectory("a", 0.0), trajectory("b", 0.0), trajectory("c", 1.0), retry("d", 0.5)]
+    to_go = plan_batch(batch, RewardBaseline(), TrainerConfig(turn_credit="reward_to_go"), 0).advantages
+    own = plan_batch(batch, RewardBaseline(), TrainerConfig(turn_credit="own_reward"), 0).advantages
+    assert to_go[3][0] > to_go[0][0]
+    assert own[3][0] == pytest.approx(own[0][0]) and own[3][0] < 0
+    assert own[3][1] > 0 and own[2][0] > own[3][1]  # the right retry is reinforced, less than a right first answer
+
+
+def test_each_turn_has_its_own_running_baseline():
+    baseline = RewardBaseline(key="prompt", momentum=0.5)
+    cfg = TrainerConfig(turn_credit="own_reward", whiten_advantages=False)
+    record_rewards(plan_batch([retry("a", 0.5), trajectory("b", 1.0)], baseline, cfg, 0), baseline)
+    assert baseline.value(retry("z", 0.0), turn=0) == pytest.approx(0.5)  # first answers: 0 and 1
+    assert baseline.value(retry("z", 0.0), turn=1) == pytest.approx(0.5)  # second answers: one, worth 0.5
+    plan = plan_batch([retry("c", 0.0)], baseline, cfg, 0)
+    assert plan.advantages == [[pytest.approx(-0.5), pytest.approx(-0.5)]]
+    assert "env:arithmetic" in baseline.values and "env:arithmetic:turn1" in baseline.values
+
+
+def test_grpo_compares_each_turn_with_the_group_attempts_that_reached_it():
+    batch = [trajectory("a", 1.0, 0), retry("a", 0.5), retry("a", 0.0)]
+    batch[1], batch[2] = replace(batch[1], trajectory_id="a#1"), replace(batch[2], trajectory_id="a#2")
+    cfg = TrainerConfig(algorithm="grpo", group_size=3, batch_size=3, whiten_advantages=False, turn_credit="own_reward")
+    advantages = plan_batch(batch, RewardBaseline(), cfg, 0).advantages
+    assert advantages[0] == pytest.approx([1.0 - 1 / 3])
+    assert advantages[1] == pytest.approx([-1 / 3, 0.25]) and advantages[2] == pytest.approx([-1 / 3, -0.25])
+
+
+def test_auto_turn_credit_follows_the_env(tiny_config):
+    from sao.envs.registry import turn_credit
+
+    assert turn_credit(tiny_config.model_copy(update={"env": tiny_config.env.model_copy(update={"name": "arithmetic"})})) \
+        == "own_reward"
+    textworld = tiny_config.model_copy(update={"env": tiny_config.env.model_copy(update={"name": "textworld"})})
+    assert turn_credit(textworld) == "reward_to_go"
+    explicit = textworld.model_copy(update={"trainer": textworld.trainer.model_copy(update={"turn_credit": "own_reward"})})
+    assert turn_credit(explicit) == "own_reward"
 
 def test_value_head_learns_returns_and_sets_advantages(tiny_config):
     from sao.policy.weights import build_policy
