@@ -219,10 +219,10 @@ class TrainerConfig(Section):
     baseline_key: Literal["env", "task_id", "prompt", "leave_one_out"] = Field(
         "prompt", description="What a sao advantage subtracts from the reward (default prompt: it learned most over seeds, "
                            "benchmarks/README.md). env: a running mean per env (one value per "
-                           "batch, so with whiten_advantages it changes nothing). task_id: per task id, else env (built-in "
+                           "batch, so with center_advantages it changes nothing). task_id: per task id, else env (built-in "
                            "envs never repeat an id). prompt: per prompt token ids (a recurring question has its own "
                            "history), else env. leave_one_out: the mean reward of the batch's other trajectories "
-                           "(equal to no baseline when whitened). Costs: docs/design.md.")
+                           "(equal to no baseline when centred). Costs: docs/design.md.")
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running-mean baselines; a key's first 1/(1-momentum) "
                                      "rewards are averaged plainly, so one early reward does not dominate.")
@@ -232,7 +232,12 @@ class TrainerConfig(Section):
                             "wrong first answer does not share in the retry's reward. auto: own_reward for envs whose "
                             "turns are attempts at one question (arithmetic, humaneval), else reward_to_go. Each turn "
                             "has its own baseline. Measured: benchmarks/README.md.")
-    whiten_advantages: bool = Field(True, description="Normalise advantages over the batch's turns (mean 0, std 1).")
+    whiten_advantages: bool = Field(True, description="Scale advantages over the batch's turns to unit size (root mean "
+                                                      "square 1; with center_advantages, mean 0 and std 1).")
+    center_advantages: bool = Field(
+        False, description="Also subtract the batch's mean advantage. Off: the baseline already centres each advantage, "
+                           "and the batch mean on top turns failures into reinforced actions whenever a batch is "
+                           "mostly failures (measured: benchmarks/README.md). On: the classic whitening.")
     value_head: bool = Field(
         False, description="Learn V(context) with a linear head on the LM's last hidden state; each step's advantage "
                            "becomes reward - V (detached, not whitened) instead of reward - running baseline.")

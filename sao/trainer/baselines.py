@@ -3,8 +3,8 @@
 With one trajectory per task a group-mean advantage is identically zero; instead a baseline
 estimates the reward a trajectory should have earned (`trainer.baseline_key`):
 
-- `env`: one running mean per env. Every trajectory of a batch gets the same value, so once
-  advantages are whitened (mean subtracted) it changes nothing: it matters only unwhitened.
+- `env`: one running mean per env. Every trajectory of a batch gets the same value, so if the
+  batch mean is subtracted too (`trainer.center_advantages`) it changes nothing.
 - `task_id`: one per task id, else the env's. Built-in envs name train tasks by stream position
   (`train/<dataset>/<seed>/<position>`), so an id never recurs and this is `env` in practice.
 - `prompt`: one per prompt, the token ids the policy is first shown (system prompt + question),
@@ -13,8 +13,8 @@ estimates the reward a trajectory should have earned (`trainer.baseline_key`):
   not the task spec, because the trainer has it for every env without a schema change, and the
   policy cannot tell two tasks with the same prompt apart anyway.
 - `leave_one_out`: the mean return of the batch's other trajectories at the same turn (no state).
-  On one-turn batches, whitened, it is exactly no baseline (n/(n-1) times the centring whitening
-  does); it helps only unwhitened.
+  On one-turn batches with `center_advantages` it is exactly no baseline (n/(n-1) times the
+  centring).
 
 Every turn of an episode has its own baselines: what turn 2 of a retry env can still earn is not
 what turn 1 could. Turn 0 keeps the plain keys (`env:arithmetic`), so older checkpoints still

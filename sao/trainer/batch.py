@@ -50,14 +50,15 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
 
     SAO: a turn's return minus that turn's baseline (`trainer.baseline_key`; never a group mean, which
     is zero at group size 1). GRPO: minus the mean return at that turn of its group's attempts.
-    Whitening is over every turn of the batch, so a baseline equal for the whole batch (`env`) leaves
-    whitened advantages as they would be without.
+    Whitening scales over every turn of the batch and keeps each advantage's sign; only with
+    `center_advantages` does it subtract the batch mean too (then a baseline equal for the whole
+    batch, `env`, cancels).
     """
     returns = [turn_returns(t, cfg.turn_credit) for t in batch]
     baselines = _group_means(batch, returns) if cfg.algorithm == "grpo" else baseline.values_for(batch, returns)
     advantages = [[g - b for g, b in zip(own, base)] for own, base in zip(returns, baselines)]
     if cfg.whiten_advantages:
-        flat = whiten(torch.tensor([a for turns in advantages for a in turns])).tolist()
+        flat = whiten(torch.tensor([a for turns in advantages for a in turns]), cfg.center_advantages).tolist()
         advantages, start = [], 0
         for own in returns:
             advantages.append(flat[start:start + len(own)])

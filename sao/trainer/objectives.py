@@ -89,8 +89,14 @@ def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, L
     return loss, stats
 
 
-def whiten(values: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Mean 0, std 1 over the batch; a batch of one (or all equal) is only centred."""
+def whiten(values: torch.Tensor, center: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Unit size over the batch: mean 0 and std 1 (`center`), else root mean square 1 with every sign kept.
+
+    Centred, a batch of one (or all equal) is only centred; not centred, all zeros stay zeros.
+    """
+    if not center:
+        rms = values.pow(2).mean().sqrt() if values.numel() else values.new_zeros(())
+        return values / (rms + eps) if rms > 0 else values
     centred = values - values.mean()
     if values.numel() < 2:
         return centred

@@ -45,9 +45,11 @@ def test_prompt_key_gives_a_recurring_question_its_own_history():
 
 
 def _whitened_advantages(key: str, history: list[Trajectory], batch: list[Trajectory]) -> list[float]:
+    """Classic whitening (centred), under which some baselines are known to cancel."""
     baseline = RewardBaseline(key=key, momentum=0.9)
     _train(baseline, history)
-    return flat(plan_batch(batch, baseline, TrainerConfig(whiten_advantages=True), policy_version=0).advantages)
+    cfg = TrainerConfig(whiten_advantages=True, center_advantages=True)
+    return flat(plan_batch(batch, baseline, cfg, policy_version=0).advantages)
 
 
 def test_a_question_always_solved_earns_no_advantage_with_the_prompt_key_and_the_most_with_env():
@@ -73,7 +75,7 @@ def test_a_question_that_stops_being_solved_is_pushed_down_harder_than_an_unseen
     assert by_env[0] == pytest.approx(by_env[1])  # env cannot tell them apart
 
 
-def test_env_and_leave_one_out_baselines_change_nothing_once_whitened():
+def test_env_and_leave_one_out_baselines_change_nothing_once_whitened_and_centred():
     history = [trajectory(i, r) for i, r in enumerate([1.0, 1.0, 0.0, 1.0, 0.25])]
     batch = [trajectory(30 + i, r) for i, r in enumerate([1.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.0, 0.0])]
     none = whiten(torch.tensor([t.total_reward for t in batch])).tolist()

@@ -81,8 +81,24 @@ def test_own_reward_stops_a_retry_from_rewarding_the_wrong_first_answer():
     to_go = plan_batch(batch, RewardBaseline(), TrainerConfig(turn_credit="reward_to_go"), 0).advantages
     own = plan_batch(batch, RewardBaseline(), TrainerConfig(turn_credit="own_reward"), 0).advantages
     assert to_go[3][0] > to_go[0][0]
-    assert own[3][0] == pytest.approx(own[0][0]) and own[3][0] < 0
+    assert own[3][0] == pytest.approx(own[0][0])
     assert own[3][1] > 0 and own[2][0] > own[3][1]  # the right retry is reinforced, less than a right first answer
+
+
+def test_an_all_failed_batch_reinforces_no_failure_unless_the_batch_mean_is_subtracted():
+    # Every answer wrong; the baselines differ by turn and by what the env has seen. Subtracting
+    # the batch mean on top of the baselines turns the failures with the smaller baselines into
+    # reinforced actions; scaling alone keeps every advantage's sign.
+    baseline = RewardBaseline(key="env", momentum=0.5)
+    history = [trajectory("h1", 1.0), retry("h2", 0.5), retry("h3", 0.5)]
+    cfg = TrainerConfig(turn_credit="own_reward", whiten_advantages=False)
+    record_rewards(plan_batch(history, baseline, cfg, 0), baseline)
+    failed = [trajectory("a", 0.0), retry("b", 0.0), retry("c", 0.0)]
+    scaled = flat(plan_batch(failed, baseline, TrainerConfig(turn_credit="own_reward"), 0).advantages)
+    centred = flat(plan_batch(failed, baseline, TrainerConfig(turn_credit="own_reward", center_advantages=True), 0)
+                   .advantages)
+    assert max(scaled) < 0 and sum(a * a for a in scaled) / len(scaled) == pytest.approx(1.0, abs=1e-4)
+    assert max(centred) > 0
 
 
 def test_each_turn_has_its_own_running_baseline():

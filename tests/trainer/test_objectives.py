@@ -102,3 +102,11 @@ def test_whiten():
     assert out.mean().item() == pytest.approx(0, abs=1e-6) and out.std().item() == pytest.approx(1, rel=1e-4)
     assert whiten(torch.tensor([5.0])).tolist() == [0.0]
     assert whiten(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
+
+
+def test_whiten_without_centring_keeps_every_sign():
+    out = whiten(torch.tensor([-0.2, -0.4, 0.0, 0.8]), center=False)
+    assert out.tolist() == pytest.approx((torch.tensor([-0.2, -0.4, 0.0, 0.8]) / 0.4583).tolist(), rel=1e-3)
+    assert out.pow(2).mean().item() == pytest.approx(1.0, rel=1e-4)
+    assert whiten(torch.tensor([0.0, 0.0]), center=False).tolist() == [0.0, 0.0]
+    assert whiten(torch.tensor([-3.0]), center=False).tolist() == pytest.approx([-1.0])

@@ -80,8 +80,9 @@ def test_trainer_survives_what_validation_would_have_refused(kafka_bootstrap, un
     assert status["skipped_steps"] == {"non-finite-loss": 1} and status["step"] == 2
     assert latest_weights_are_finite(run_dir)
     # The skipped batch's rewards never reached the running baseline: it holds the trained ones only.
-    # (a running mean's first 1 / (1 - momentum) = 10 rewards are averaged plainly)
-    trained_rewards = [t.total_reward for t in (good[0], good[1], good[4], good[5], good[6])]
+    # (a running mean's first 1 / (1 - momentum) = 10 rewards are averaged plainly; arithmetic credits
+    # each turn with its own reward, so the turn-0 key holds first answers' rewards)
+    trained_rewards = [t.steps[0].reward for t in (good[0], good[1], good[4], good[5], good[6])]
     expected = sum(trained_rewards) / len(trained_rewards)
     checkpoints = run_dir / "checkpoints"
     state = json.loads((checkpoints / (checkpoints / "latest").read_text() / "sao_state.json").read_text())
