@@ -68,7 +68,7 @@ def worker(model: str, offload: bool, steps: int, out: Path) -> None:
     rng = np.random.default_rng(0)
     batch = [Trajectory(f"t{i}#0", f"t{i}", "arithmetic", "bench", 0, rng.integers(3, 49152, 40).astype(np.int32),
                         [Step(rng.integers(3, 49152, 6).astype(np.int32), rng.integers(3, 49152, 16).astype(np.int32),
-                              np.full(16, -2.0, np.float32), float(i % 2), True, 0)],
+                              np.full(16, -2.0, np.float32), (i + 1) / 4, True, 0)],
                         Memory.empty(384), 1.0, "bench", 0) for i in range(4)]
     plan = plan_batch(batch, RewardBaseline(), config.trainer, 0)
     step_s, losses = [], []

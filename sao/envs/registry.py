@@ -9,12 +9,15 @@ two classmethods, `from_config(config: EnvConfig)` to build an instance in a sam
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from dataclasses import dataclass
 
 from sao.config import EnvConfig, SaoConfig
 from sao.envs.base import Env, GenerationDefaults, check_split
 from sao.schema import Task
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_ENVS = {
     "arithmetic": "sao.envs.arithmetic:ArithmeticEnv",
@@ -73,7 +76,12 @@ def turn_credit(config: SaoConfig) -> str:
     """`trainer.turn_credit` with `auto` resolved by the env: own_reward for retries of one question."""
     if config.trainer.turn_credit != "auto":
         return config.trainer.turn_credit
-    return "own_reward" if getattr(env_class(config.env.name), "turns_are_attempts", False) else "reward_to_go"
+    try:
+        cls = env_class(config.env.name)
+    except UnknownEnv as err:  # the trainer never runs the env: a plugin may be installed only where samplers run
+        logger.warning("trainer.turn_credit auto: %s; crediting reward_to_go (set trainer.turn_credit to choose)", err)
+        return "reward_to_go"
+    return "own_reward" if getattr(cls, "turns_are_attempts", False) else "reward_to_go"
 
 
 def generation_settings(config: SaoConfig) -> GenerationSettings:

@@ -226,3 +226,11 @@ def test_length_buckets_cut_where_padding_is_largest():
     assert sorted(map(sorted, length_buckets(lengths, 2))) == [[0, 2, 4], [1, 3, 5]]
     assert len(length_buckets(lengths, 4)) == 2  # a third cut would save under 5% of the positions
     assert len(length_buckets([50, 50, 51], 3)) == 1  # nothing worth cutting
+
+
+def test_auto_turn_credit_falls_back_when_the_trainer_cannot_import_a_plugin_env(tiny_config, caplog):
+    from sao.envs.registry import turn_credit
+
+    plugin = tiny_config.model_copy(update={"env": tiny_config.env.model_copy(update={"name": "not_installed.envs:Game"})})
+    assert turn_credit(plugin) == "reward_to_go"
+    assert "trainer.turn_credit" in caplog.text and "not_installed" in caplog.text
