@@ -43,8 +43,10 @@ def prompt_digest(prompt_ids: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(prompt_ids, dtype="<i4").tobytes(), digest_size=8).hexdigest()
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+def mean_at_turn(returns: list[list[float]], turn: int) -> float:
+    """The mean return at `turn` over the trajectories (their per-turn returns) that reached it; 0 if none did."""
+    reached = [own[turn] for own in returns if len(own) > turn]
+    return sum(reached) / len(reached) if reached else 0.0
 
 
 class RewardBaseline:
@@ -77,8 +79,8 @@ class RewardBaseline:
     def values_for(self, batch: list[Trajectory], returns: list[list[float]]) -> list[list[float]]:
         """One baseline per turn of each trajectory of the batch, as `plan_batch` subtracts them."""
         if self.key == "leave_one_out" and len(batch) > 1:
-            return [[_mean([other[turn] for j, other in enumerate(returns) if j != i and len(other) > turn])
-                     for turn in range(len(own))] for i, own in enumerate(returns)]
+            return [[mean_at_turn(returns[:i] + returns[i + 1:], turn) for turn in range(len(own))]
+                    for i, own in enumerate(returns)]
         return [[self.value(t, turn) for turn in range(len(own))] for t, own in zip(batch, returns)]
 
     def update(self, trajectory: Trajectory, returns: list[float]) -> None:

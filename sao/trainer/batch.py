@@ -19,7 +19,7 @@ from sao.config import TrainerConfig
 from sao.policy.context import training_inputs
 from sao.policy.model import ScoringBatch, collate_steps
 from sao.schema import Trajectory
-from sao.trainer.baselines import RewardBaseline
+from sao.trainer.baselines import RewardBaseline, mean_at_turn
 from sao.trainer.distributed import world_size
 from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
 
@@ -71,12 +71,8 @@ def _group_means(batch: list[Trajectory], returns: list[list[float]]) -> list[li
     groups: dict[str, list[int]] = {}
     for index, trajectory in enumerate(batch):
         groups.setdefault(trajectory.task_id, []).append(index)
-    means = []
-    for trajectory, own in zip(batch, returns):
-        members = [returns[j] for j in groups[trajectory.task_id]]
-        means.append([sum(m[turn] for m in members if len(m) > turn) / sum(len(m) > turn for m in members)
-                      for turn in range(len(own))])
-    return means
+    return [[mean_at_turn([returns[j] for j in groups[trajectory.task_id]], turn) for turn in range(len(own))]
+            for trajectory, own in zip(batch, returns)]
 
 
 def record_rewards(plan: BatchPlan, baseline: RewardBaseline) -> None:
