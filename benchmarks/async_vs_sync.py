@@ -1,7 +1,8 @@
 """Async vs sync: sao's asynchronous default against synchronous training, same env, model, tasks, seed and compute.
 
-    python benchmarks/async_vs_sync.py [--tasks 48] [--seed 0] [--heldout-cap 128] [--group-size 8]
-        [--pinned | --unpinned | --both] [--runs-dir runs/bench/async_vs_sync] [--json PATH] [-- extra sao run args]
+    python benchmarks/async_vs_sync.py [--tasks 48] [--seeds 0 1 2] [--arms grpo sync async] [--heldout-cap 128]
+        [--group-size 8] [--pinned | --unpinned | --both] [--runs-dir runs/bench/async_vs_sync] [--json PATH]
+        [-- extra sao run args]
 
 Three arms, each one `sao run` (its own run directory) on the same number of trajectories:
 (a) synchronous GRPO, `--group-size` attempts per task (tasks / group-size tasks); (b) synchronous
@@ -18,6 +19,13 @@ standard error, and wall seconds. From the sync arm (batches after the first, wh
 S = mean seconds from a batch's release to its last trajectory, T = mean trainer step including the
 publish, and the most overlap can give,
 bound = (S + T) / max(S, T). Headline: async / sync steady-state rate, pinned, beside that bound.
+
+Learning: one run of an arm moves its held-out gain by up to 0.5 between seeds (the run's own
+randomness: which version samples which task), far more than the ± over questions of one run. So
+each arm runs once per seed (`--seeds`), and "async learns as much as sync" is judged on the paired
+per-seed difference async - sync, its mean ± the standard error across seeds; with one seed only
+the error over questions is left, and the JSON says so (`difference_error`). Rates are averaged
+over seeds the same way (the headline: mean async rate / mean sync rate).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sao import stats
 
 ARMS = ("grpo", "sync", "async")
 
@@ -58,9 +68,9 @@ def pinning(pinned: bool) -> list[str]:
     return ["--set", f"sampler.cpu_affinity={samplers}", "--set", f"trainer.cpu_affinity={trainer}"]
 
 
-def run_arm(arm: str, pinned: bool, args: argparse.Namespace, runs_dir: Path) -> dict:
-    run_dir = runs_dir / f"{'pinned' if pinned else 'unpinned'}-{arm}"
-    command = [sys.executable, "-m", "sao.cli", "run", "--run-dir", str(run_dir), "--set", f"env.seed={args.seed}",
+def run_arm(arm: str, pinned: bool, seed: int, args: argparse.Namespace, runs_dir: Path) -> dict:
+    run_dir = runs_dir / f"{'pinned' if pinned else 'unpinned'}-{arm}" / f"seed-{seed}"
+    command = [sys.executable, "-m", "sao.cli", "run", "--run-dir", str(run_dir), "--set", f"env.seed={seed}",
                "--set", f"run.heldout_cap={args.heldout_cap}", *arm_arguments(arm, args.tasks, args.group_size),
                *pinning(pinned), *args.extra]
     started = time.perf_counter()
@@ -71,7 +81,7 @@ def run_arm(arm: str, pinned: bool, args: argparse.Namespace, runs_dir: Path) ->
                                preexec_fn=start_on)
     if completed.returncode != 0:
         raise SystemExit(f"{run_dir.name}: sao run failed ({completed.returncode}): {completed.stderr[-3000:]}")
-    return {"arm": arm, "pinned": pinned, "run_dir": str(run_dir), "wall_s": time.perf_counter() - started,
+    return {"arm": arm, "pinned": pinned, "seed": seed, "run_dir": str(run_dir), "wall_s": time.perf_counter() - started,
             **arm_figures(run_dir)}
 
 
@@ -97,44 +107,75 @@ def arm_figures(run_dir: Path) -> dict:
     }
 
 
-def sync_phases(run_dir: Path) -> dict:
-    """S and T of a sync run, from the feeder's release times and the trainer's step records.
+def sync_phases(run_dirs: list[Path]) -> dict:
+    """S and T of the sync runs (one per seed), pooled over their batches, from the feeder's release
+    times and the trainer's step records.
 
     A batch released for version v is exactly the trajectories with behaviour version v; its
-    sampling ends when the last of them is created (trained_at - sampling_to_training_s). The first
-    batch is released while the processes still start up, so, like the steady rate, S and T leave
-    it out when there are others.
+    sampling ends when the last of them is created (trained_at - sampling_to_training_s). A run's
+    first batch is released while the processes still start up, so, like the steady rate, S and T
+    leave it out when there are others.
     """
-    releases = json.loads((run_dir / "status" / "feeder.json").read_text())["releases"]
-    steps = json.loads((run_dir / "status" / "trainer.json").read_text())["steps"]
-    created: dict[int, list[float]] = {}
-    for step in steps:
-        for version, delay in zip(step["behaviour_versions"], step["sampling_to_training_s"]):
-            created.setdefault(version, []).append(step["trained_at"] - delay)
-    sampling = [max(created[r["policy_version"]]) - r["released_at"] for r in releases if r["policy_version"] in created]
-    training = [step["step_s"] + step["publish_s"] for step in steps]
-    sampling, training = (sampling[1:], training[1:]) if len(sampling) > 1 and len(training) > 1 else (sampling, training)
+    sampling: list[float] = []
+    training: list[float] = []
+    for run_dir in run_dirs:
+        releases = json.loads((run_dir / "status" / "feeder.json").read_text())["releases"]
+        steps = json.loads((run_dir / "status" / "trainer.json").read_text())["steps"]
+        created: dict[int, list[float]] = {}
+        for step in steps:
+            for version, delay in zip(step["behaviour_versions"], step["sampling_to_training_s"]):
+                created.setdefault(version, []).append(step["trained_at"] - delay)
+        batches = [max(created[r["policy_version"]]) - r["released_at"] for r in releases
+                   if r["policy_version"] in created]
+        steps_s = [step["step_s"] + step["publish_s"] for step in steps]
+        sampling += batches[1:] if len(batches) > 1 else batches
+        training += steps_s[1:] if len(steps_s) > 1 else steps_s
     s, t = statistics.fmean(sampling), statistics.fmean(training)
     return {"S_s": s, "T_s": t, "bound": (s + t) / max(s, t), "batches": len(sampling)}
 
 
-def compare(runs: dict[str, dict], phases: dict) -> dict:
-    """async / sync rates against the bound, and whether both learned as much (within 2 s.e.)."""
-    sync, asynchronous = runs["sync"], runs["async"]
-    value, baseline = asynchronous["steady_trajectories_per_s"], sync["steady_trajectories_per_s"]
+def learning(runs: list[dict]) -> dict:
+    """An arm's held-out gain over seeds: the mean, and its standard error across seeds."""
+    gains = [r["heldout_gain"] for r in runs]
+    if None in gains:
+        return {"gains": gains, "gain": None, "gain_stderr_seeds": None}
+    return {"gains": gains, "gain": statistics.fmean(gains), "gain_stderr_seeds": stats.stderr(gains)}
+
+
+def gain_difference(asynchronous: list[dict], sync: list[dict]) -> dict:
+    """async - sync held-out gain, paired by seed, with the error that applies.
+
+    Across seeds when there are several (it holds the run's own randomness, which dominates);
+    with one seed, only the error over questions of the two runs is known.
+    """
+    pairs = [(a["heldout_gain"], s["heldout_gain"]) for a, s in zip(asynchronous, sync)]
+    if not pairs or any(None in pair for pair in pairs):
+        return {"heldout_gain_difference": None, "heldout_gain_difference_stderr": None,
+                "difference_error": None, "heldout_gains_within_2se": None}
+    differences = [a - s for a, s in pairs]
+    if len(differences) > 1:
+        se, error = stats.stderr(differences), f"across {len(differences)} seeds"
+    else:
+        se, error = math.hypot(asynchronous[0]["heldout_gain_stderr"], sync[0]["heldout_gain_stderr"]), \
+            "over questions, one seed (the run-to-run spread is not in it)"
+    difference = statistics.fmean(differences)
+    return {"heldout_gain_difference": difference, "heldout_gain_difference_stderr": se, "difference_error": error,
+            "heldout_gain_differences": differences, "heldout_gains_within_2se": abs(difference) <= 2 * se}
+
+
+def compare(runs: dict[str, list[dict]], phases: dict) -> dict:
+    """async / sync over seeds: mean rates against the bound, and whether both learned as much."""
+    def rate(arm: str, key: str) -> float | None:
+        return stats.mean([r[key] for r in runs[arm]])
+
+    value, baseline = rate("async", "steady_trajectories_per_s"), rate("sync", "steady_trajectories_per_s")
     ratio = value / baseline if value and baseline else None
-    whole = (asynchronous["trajectories_per_s"] / sync["trajectories_per_s"]
-             if asynchronous["trajectories_per_s"] and sync["trajectories_per_s"] else None)
-    gains = (asynchronous["heldout_gain"], sync["heldout_gain"])
-    errors = (asynchronous["heldout_gain_stderr"], sync["heldout_gain_stderr"])
-    difference = se = within = None
-    if None not in gains and None not in errors:
-        difference, se = gains[0] - gains[1], math.hypot(*errors)
-        within = abs(difference) <= 2 * se
-    return {"value": value, "baseline": baseline, "ratio": ratio, "ratio_whole_run": whole, **phases,
+    whole_async, whole_sync = rate("async", "trajectories_per_s"), rate("sync", "trajectories_per_s")
+    return {"value": value, "baseline": baseline, "ratio": ratio,
+            "ratio_whole_run": whole_async / whole_sync if whole_async and whole_sync else None, **phases,
             "ratio_of_bound": ratio / phases["bound"] if ratio else None,
-            "heldout_gain_difference": difference, "heldout_gain_difference_stderr": se,
-            "heldout_gains_within_2se": within}
+            "learning": {arm: learning(arm_runs) for arm, arm_runs in runs.items()},
+            **gain_difference(runs["async"], runs["sync"])}
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -144,7 +185,9 @@ def _fmt(value, spec: str = ".3f") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=48, help="trajectories per arm (grpo: tasks / group-size tasks)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every arm per seed")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
+                        help="arms to run (sync and async are always among them: the headline compares them)")
     parser.add_argument("--heldout-cap", type=int, default=128)
     parser.add_argument("--group-size", type=int, default=8, help="GRPO attempts per task (divides the batch)")
     compute = parser.add_mutually_exclusive_group()
@@ -156,6 +199,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="arguments passed on to every `sao run` (after --)")
     args = parser.parse_args()
     settings = args.compute or ("unpinned", "pinned")
+    arms = [arm for arm in ARMS if arm in {*args.arms, "sync", "async"}]
     if "pinned" in settings and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("pinning needs at least 2 CPUs (samplers on one, the trainer on another); use --unpinned")
 
@@ -166,23 +210,30 @@ def main() -> None:
     runs_dir = args.runs_dir / time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, dict] = {}
     for setting in settings:
-        runs = {arm: run_arm(arm, setting == "pinned", args, runs_dir) for arm in ARMS}
-        results[setting] = {"arms": runs, **compare(runs, sync_phases(Path(runs["sync"]["run_dir"])))}
+        runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for seed in args.seeds:  # seed by seed, so a stopped benchmark has whole seeds
+            for arm in arms:
+                runs[arm].append(run_arm(arm, setting == "pinned", seed, args, runs_dir))
+        phases = sync_phases([Path(r["run_dir"]) for r in runs["sync"]])
+        results[setting] = {"arms": runs, **compare(runs, phases)}
 
-    table = Table(title=f"{args.tasks} trajectories per arm, seed {args.seed}, {len(os.sched_getaffinity(0))} CPUs")
-    for column in ("compute", "arm", "traj/s steady", "traj/s run", "trainer idle", "sampler idle", "staleness",
+    table = Table(title=f"{args.tasks} trajectories per arm, seeds {args.seeds}, {len(os.sched_getaffinity(0))} CPUs")
+    for column in ("compute", "arm", "seed", "traj/s steady", "traj/s run", "trainer idle", "sampler idle", "staleness",
                    "delay s p50/p95", "delay steps p50/p95", "held-out gain ± s.e.", "n", "wall s"):
         table.add_column(column, justify="right")
     for setting, result in results.items():
-        for arm, r in result["arms"].items():
-            table.add_row(setting, arm, _fmt(r["steady_trajectories_per_s"]), _fmt(r["trajectories_per_s"]),
+        for r in (r for arm in arms for r in result["arms"][arm]):
+            arm = r["arm"]
+            table.add_row(setting, arm, str(r["seed"]), _fmt(r["steady_trajectories_per_s"]),
+                          _fmt(r["trajectories_per_s"]),
                           _fmt(r["trainer_idle_ratio"], ".2f"), _fmt(r["sampler_idle_ratio"], ".2f"),
                           _fmt(r["staleness_mean"], ".2f"),
                           f"{_fmt(r['sampling_to_training_s_p50'], '.1f')}/{_fmt(r['sampling_to_training_s_p95'], '.1f')}",
                           f"{_fmt(r['sampling_to_training_steps_p50'], '.1f')}/"
                           f"{_fmt(r['sampling_to_training_steps_p95'], '.1f')}",
                           f"{_fmt(r['heldout_gain'], '+.3f')} ± {_fmt(r['heldout_gain_stderr'])}",
-                          _fmt(r["heldout_n"], "d"), f"{r['wall_s']:.0f}", end_section=arm == ARMS[-1])
+                          _fmt(r["heldout_n"], "d"), f"{r['wall_s']:.0f}",
+                          end_section=arm == arms[-1] and r is result["arms"][arm][-1])
     console.print(table)
     for setting, r in results.items():
         console.print(f"{setting}: async / sync {_fmt(r['ratio'], '.2f')}x steady ({_fmt(r['ratio_whole_run'], '.2f')}x "
@@ -190,10 +241,13 @@ def main() -> None:
                       f"{r['bound']:.2f}x; ratio / bound = {_fmt(r['ratio_of_bound'], '.2f')}")
         if r["heldout_gains_within_2se"] is None:
             console.print(f"{setting}: no held-out figures (run.heldout_eval off?): learning not compared")
-        else:
-            console.print(f"{setting}: held-out gain async - sync = {r['heldout_gain_difference']:+.3f} ± "
-                          f"{r['heldout_gain_difference_stderr']:.3f}: "
-                          + ("within 2 s.e." if r["heldout_gains_within_2se"] else "NOT within 2 s.e."))
+            continue
+        for arm, learned in r["learning"].items():
+            console.print(f"{setting}: {arm} held-out gain {learned['gain']:+.3f} ± "
+                          f"{_fmt(learned['gain_stderr_seeds'])} across {len(learned['gains'])} seed(s)")
+        console.print(f"{setting}: held-out gain async - sync = {r['heldout_gain_difference']:+.3f} ± "
+                      f"{r['heldout_gain_difference_stderr']:.3f} ({r['difference_error']}): "
+                      + ("within 2 s.e." if r["heldout_gains_within_2se"] else "NOT within 2 s.e."))
     if args.json:
         headline_setting = "pinned" if "pinned" in results else "unpinned"
         head = results[headline_setting]
@@ -204,7 +258,8 @@ def main() -> None:
                          "rate": "steady state: trajectories trained after the first step / seconds from the "
                                  "first step to the last"},
             "heldout_gains_within_2se": head["heldout_gains_within_2se"],
-            "results": results, "tasks": args.tasks, "seed": args.seed, "group_size": args.group_size,
+            "difference_error": head["difference_error"],
+            "results": results, "tasks": args.tasks, "seeds": args.seeds, "arms": arms, "group_size": args.group_size,
             "cpus": sorted(os.sched_getaffinity(0)), "extra": args.extra, "runs_dir": str(runs_dir)}, indent=2))
 
 

@@ -72,6 +72,14 @@ class GenerationSettings:
     stop: tuple[str, ...]
 
 
+def task_env(name: str) -> str | None:
+    """The `env` that tasks of env.name carry (the class's `name`); None if the class cannot be imported here."""
+    try:
+        return getattr(env_class(name), "name", None)
+    except UnknownEnv:  # a plugin may be installed only where the samplers run
+        return None
+
+
 def turn_credit(config: SaoConfig) -> str:
     """`trainer.turn_credit` with `auto` resolved by the env: own_reward for retries of one question."""
     if config.trainer.turn_credit != "auto":

@@ -63,7 +63,7 @@ class Trainer:
         verified = _in_background(verify_checkpoint, self.run_dir.checkpoints) if resuming else None
         self.memory_dim = encoder_dim(config.compression.encoder)  # the width only: no model load
         policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head, config.compression.encoder)
-        validator = TrajectoryValidator.for_model(policy, self.memory_dim, config.trainer)  # before ZeRO-3 wraps it
+        validator = TrajectoryValidator.for_model(policy, self.memory_dim, config)  # before ZeRO-3 wraps it
         clock = self._started("model", clock)
         # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
         # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.

@@ -1,6 +1,7 @@
 """Decide whether a decoded Trajectory is usable by this trainer's model, before it is buffered.
 
 The schema checks that a message is well formed; this checks it against the model and the run:
+the run's env and no more turns than it allows (each env and turn has a baseline the trainer keeps),
 token ids inside the vocabulary, memory as wide as the encoder, something to condition on,
 numbers finite and in ranges the loss can carry, and a behaviour version this trainer has
 published. A trajectory that fails raises `SchemaError` with a reason code (the DLQ header) and
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from torch import nn
 
-from sao.config import TrainerConfig
+from sao.config import SaoConfig
+from sao.envs.registry import task_env
 from sao.schema import SchemaError, Trajectory
 
 # A sampler draws from logits / temperature: far outside this band the distribution is a one-hot
@@ -37,16 +39,19 @@ class TrajectoryValidator:
     memory_dim: int  # width of every memory vector (the encoder's)
     max_abs_reward: float
     max_bytes: int
+    max_turns: int | None = None  # env.max_turns: a sampler ends every episode there
+    env: str | None = None  # the `env` the run's tasks carry; None when the env class is not importable here
 
     @classmethod
-    def for_model(cls, model: nn.Module, memory_dim: int, cfg: TrainerConfig) -> TrajectoryValidator:
-        """Limits of `model` (a MemoryPolicy): ids index its input embeddings and its output logits."""
+    def for_model(cls, model: nn.Module, memory_dim: int, config: SaoConfig) -> TrajectoryValidator:
+        """Limits of `model` (a MemoryPolicy: ids index its input embeddings and its output logits) and of the run."""
         lm = model.lm
         vocab_size = lm.get_input_embeddings().num_embeddings
         output = lm.get_output_embeddings()
         if output is not None:
             vocab_size = min(vocab_size, output.out_features)
-        return cls(vocab_size, memory_dim, cfg.max_abs_reward, cfg.max_trajectory_bytes)
+        return cls(vocab_size, memory_dim, config.trainer.max_abs_reward, config.trainer.max_trajectory_bytes,
+                   config.env.max_turns, task_env(config.env.name))
 
     def check_size(self, num_bytes: int) -> None:
         """Before decoding: a message over `trainer.max_trajectory_bytes` is refused unread."""
@@ -57,6 +62,7 @@ class TrajectoryValidator:
     def validate(self, trajectory: Trajectory, policy_version: int) -> None:
         """Raise SchemaError (reason, field) unless this trainer can train on `trajectory` at `policy_version`."""
         self._check_versions_and_settings(trajectory, policy_version)
+        self._check_run(trajectory)
         self._check_memory(trajectory)
         self._check_tokens(trajectory)
         self._check_steps(trajectory)
@@ -79,6 +85,15 @@ class TrajectoryValidator:
                     raise SchemaError("invalid-field", f"{name}.{key}",
                                       f"expected a number, got {type(value).__name__}")
                 _finite(value, f"{name}.{key}")
+
+    def _check_run(self, trajectory: Trajectory) -> None:
+        # Every env name and turn index gets its own running baseline, kept for the whole run: a
+        # trajectory of another env, or longer than any sampler makes, would add keys without end.
+        if self.env is not None and trajectory.env != self.env:
+            raise SchemaError("wrong-env", "env", f"{trajectory.env!r} is not this run's env ({self.env!r})")
+        if self.max_turns is not None and len(trajectory.steps) > self.max_turns:
+            raise SchemaError("out-of-range", "steps", f"{len(trajectory.steps)} steps is over env.max_turns "
+                                                       f"({self.max_turns}): no sampler of this run plays that many")
 
     def _check_memory(self, trajectory: Trajectory) -> None:
         memory = trajectory.memory

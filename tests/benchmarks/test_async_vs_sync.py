@@ -1,6 +1,8 @@
 """benchmarks/async_vs_sync.py in a tiny configuration: three real `sao run`s (pinned), and a JSON
-headline whose figures are finite and agree with each other. No timing is asserted."""
+headline whose figures are finite and agree with each other; and its learning comparison over seeds.
+No timing is asserted."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -12,10 +14,41 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "async_vs_sync.py"
 
 
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_async_vs_sync", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs(*gains_and_errors):
+    return [{"heldout_gain": gain, "heldout_gain_stderr": error} for gain, error in gains_and_errors]
+
+
+def test_learning_is_compared_across_seeds_when_there_are_several():
+    bench = _bench()
+    # Two seeds whose per-run errors over questions are small but whose differences disagree: the
+    # spread across seeds, not the questions' error, decides.
+    asynchronous, sync = _runs((0.10, 0.05), (0.25, 0.05)), _runs((0.30, 0.05), (-0.05, 0.05))
+    result = bench.gain_difference(asynchronous, sync)
+    assert result["heldout_gain_differences"] == pytest.approx([-0.20, 0.30])
+    assert result["heldout_gain_difference"] == pytest.approx(0.05)
+    assert result["heldout_gain_difference_stderr"] == pytest.approx(0.25)  # sd 0.354 / sqrt 2
+    assert result["difference_error"] == "across 2 seeds" and result["heldout_gains_within_2se"] is True
+    # One seed: only the questions' error is known, and the result says so.
+    one = bench.gain_difference(asynchronous[:1], sync[:1])
+    assert one["heldout_gain_difference_stderr"] == pytest.approx(math.hypot(0.05, 0.05))
+    assert one["heldout_gains_within_2se"] is False and one["difference_error"].startswith("over questions")
+    # No held-out figures: nothing compared.
+    assert bench.gain_difference(_runs((None, None)), _runs((0.1, 0.05)))["heldout_gains_within_2se"] is None
+    learned = bench.learning(asynchronous)
+    assert learned["gain"] == pytest.approx(0.175) and learned["gain_stderr_seeds"] == pytest.approx(0.075)
+
+
 @pytest.mark.slow
 def test_async_vs_sync_reports_rates_and_the_bound(tmp_path):
     out = tmp_path / "result.json"
-    command = [sys.executable, str(SCRIPT), "--tasks", "8", "--group-size", "2", "--pinned",
+    command = [sys.executable, str(SCRIPT), "--tasks", "8", "--group-size", "2", "--pinned", "--seeds", "0",
                "--runs-dir", str(tmp_path / "runs"), "--json", str(out), "--",
                "--model", "tiny", "--samplers", "1", "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=6",
                "--set", "run.heldout_eval=false", "--set", "run.timeout_s=1500", "--set", "metrics.launcher_port=0",
@@ -33,14 +66,16 @@ def test_async_vs_sync_reports_rates_and_the_bound(tmp_path):
     assert 1 <= head["bound"] <= 2  # (S + T) / max(S, T)
     assert head["ratio_of_bound"] == pytest.approx(head["ratio"] / head["bound"])
     assert report["heldout_gains_within_2se"] is None  # run.heldout_eval = false: nothing to compare
+    assert report["seeds"] == [0] and report["arms"] == ["grpo", "sync", "async"]
 
     pinned = report["results"]["pinned"]
     assert list(report["results"]) == ["pinned"]
     assert set(pinned["arms"]) == {"grpo", "sync", "async"}
-    for arm, figures in pinned["arms"].items():
+    for arm, (figures,) in pinned["arms"].items():  # one seed: one run per arm
+        assert figures["seed"] == 0 and figures["run_dir"].endswith(f"pinned-{arm}/seed-0"), arm
         assert figures["trajectories_trained"] == 8, arm  # the same number of trajectories in every arm
         assert figures["steady_trajectories_per_s"] > 0 and figures["wall_s"] > 0, arm
-    assert pinned["arms"]["sync"]["staleness_mean"] == 0 and pinned["arms"]["grpo"]["trainer_steps"] == 2
+    assert pinned["arms"]["sync"][0]["staleness_mean"] == 0 and pinned["arms"]["grpo"][0]["trainer_steps"] == 2
     assert pinned["batches"] == 1 and pinned["S_s"] > 0  # the second batch: the first waits for start-up and pinned["T_s"] > 0
-    assert head["value"] == pinned["arms"]["async"]["steady_trajectories_per_s"]
-    assert head["baseline"] == pinned["arms"]["sync"]["steady_trajectories_per_s"]
+    assert head["value"] == pinned["arms"]["async"][0]["steady_trajectories_per_s"]
+    assert head["baseline"] == pinned["arms"]["sync"][0]["steady_trajectories_per_s"]

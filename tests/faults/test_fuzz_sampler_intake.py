@@ -270,7 +270,7 @@ def test_every_hostile_task_starts_an_episode_or_is_dead_lettered_and_rollouts_t
         letter["reason"] for letter in letters}
     assert len(started) > 1000
 
-    validator = TrajectoryValidator.for_model(sampler.policy, 384, config.trainer)
+    validator = TrajectoryValidator.for_model(sampler.policy, 384, config)
     episodes, trajectories = started[::len(started) // ROLLED_OUT][:ROLLED_OUT], []
     while episodes:
         outcomes = sampler.roller.step(episodes)

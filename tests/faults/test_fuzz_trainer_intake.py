@@ -80,7 +80,7 @@ def intake(kafka_bootstrap, tiny_config):
     # Small, so that long arrays meet the size check; the arrays drawn stay far below what a model can score.
     config.trainer.max_trajectory_bytes, config.trainer.freshness_decay = 4096, 0.9
     policy = build_policy(config.policy, 384)
-    validator = TrajectoryValidator.for_model(policy, 384, config.trainer)
+    validator = TrajectoryValidator.for_model(policy, 384, config)
     stream = TrajectoryStream(kafka_bootstrap, config.topics.trajectories,
                               DeadLetterQueue(make_producer(kafka_bootstrap), config.topics.dlq),
                               config.trainer.max_staleness, validator, None, set(), config.topics.trainer_group)

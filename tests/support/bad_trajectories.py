@@ -57,6 +57,9 @@ CORRUPTIONS = {
                                         "behaviour_version"),
     "created_at NaN": (lambda t: replace(t, created_at=math.nan), "non-finite", "created_at"),
     "recent_window -5": (lambda t: replace(t, recent_window=-5), "out-of-range", "recent_window"),
+    # Each env name and turn index would get a running baseline the trainer keeps for the whole run.
+    "another run's env": (lambda t: replace(t, env="textworld"), "wrong-env", "env"),
+    "more steps than env.max_turns": (lambda t: replace(t, steps=list(t.steps) * 5), "out-of-range", "steps"),
 }
 
 

@@ -15,7 +15,8 @@ def train(ranks: int, config, bootstrap: str, run_dir) -> dict:
     if ranks > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                    "--master_port", str(free_port()), "-m", *command[2:]]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=150)
+    # A hang guard, not a speed check: alone one run takes ~70 s, beside other training runs 2-3x that.
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((run_dir / "status" / "trainer.json").read_text())
 

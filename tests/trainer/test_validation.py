@@ -39,7 +39,8 @@ VOCAB = 49152  # the tiny model's (SmolLM2's tokenizer)
 
 @pytest.fixture(scope="module")
 def validator() -> TrajectoryValidator:
-    return TrajectoryValidator(vocab_size=VOCAB, memory_dim=384, max_abs_reward=1e4, max_bytes=16 << 20)
+    return TrajectoryValidator(vocab_size=VOCAB, memory_dim=384, max_abs_reward=1e4, max_bytes=16 << 20, max_turns=4,
+                               env="arithmetic")
 
 
 def valid(index: int = 0) -> Trajectory:
@@ -142,7 +143,7 @@ def test_size_is_checked_before_decoding(validator):
 def test_limits_come_from_the_model_the_trainer_built(tiny_config):
     from sao.policy.weights import build_policy
 
-    validator = TrajectoryValidator.for_model(build_policy(tiny_config.policy, 384), 384, tiny_config.trainer)
+    validator = TrajectoryValidator.for_model(build_policy(tiny_config.policy, 384), 384, tiny_config)
     assert (validator.vocab_size, validator.memory_dim) == (VOCAB, 384)
     assert validator.max_abs_reward == tiny_config.trainer.max_abs_reward
     assert validator.max_bytes == tiny_config.trainer.max_trajectory_bytes
