@@ -100,3 +100,16 @@ def test_sync_mode_needs_a_publish_every_step_and_the_feeder_batch():
         load_config(overrides=['run.mode="sync"', "trainer.deepspeed={ train_batch_size = 16 }"], environ={})
     with pytest.raises(ConfigError, match=r"run\.mode"):
         load_config(overrides=['run.mode="lockstep"'], environ={})
+
+
+def test_trainer_threads_auto_shares_this_process_cpus_among_the_local_ranks(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    trainer = load_config(environ={}).trainer
+    assert trainer.torch_threads == "auto"  # the default: the trainer takes what the samplers leave idle
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert trainer.threads() == cpus
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus * 2))  # more ranks than CPUs: still one thread each
+    assert trainer.threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert trainer.threads() == max(1, cpus // 2)
+    assert load_config(overrides=["trainer.torch_threads=3"], environ={}).trainer.threads() == 3
