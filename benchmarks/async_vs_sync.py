@@ -1,4 +1,4 @@
-"""Async vs sync: sao's asynchronous default against synchronous training, same env, model, tasks, seed and compute.
+"""Async vs sync: sao's asynchronous default against synchronous training, same env, model, tasks, seeds and compute.
 
     python benchmarks/async_vs_sync.py [--tasks 48] [--seeds 0 1 2] [--arms grpo sync async] [--heldout-cap 128]
         [--group-size 8] [--pinned | --unpinned | --both] [--runs-dir runs/bench/async_vs_sync] [--json PATH]
