@@ -1,0 +1,81 @@
+"""With one rank, ZeRO-3's gradient reduce-scatter is skipped (sao/trainer/engine.py) and the step is
+still exactly a plain PyTorch step: same rows, same loss, AdamW, clipping; two steps, the losses agree.
+
+Run in a fresh interpreter: DeepSpeed's process group must not live in pytest's.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]  # for `support`
+
+STEPS = """
+import json
+import numpy as np
+import torch
+import deepspeed.comm
+from sao.config import load_config
+from sao.policy.weights import build_policy
+from sao.trainer.baselines import RewardBaseline
+from sao.trainer.batch import plan_batch, rank_loss
+from sao.trainer.engine import batch_layout, build_engine, shutdown
+from sao.trainer.training_step import train_step
+from support.trainer_runs import synthetic_trajectory
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+cfg = load_config(overrides=['policy.model="tiny"', "trainer.learning_rate=1e-3", "trainer.fused_adamw=false"],
+                  environ={}).trainer
+collectives = []  # every reduce-scatter that reached torch.distributed
+original = deepspeed.comm.reduce_scatter_fn
+deepspeed.comm.reduce_scatter_fn = lambda *a, **k: (collectives.append(1), original(*a, **k))[1]
+
+policy = build_policy(load_config(overrides=['policy.model="tiny"'], environ={}).policy, 384)
+bare = build_policy(load_config(overrides=['policy.model="tiny"'], environ={}).policy, 384)
+bare.load_state_dict(policy.state_dict())
+engine = build_engine(policy, cfg)
+optimizer = torch.optim.AdamW(bare.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+rng = np.random.default_rng(0)
+batch = [synthetic_trajectory(i, rng) for i in range(cfg.batch_size)]
+plan = plan_batch(batch, RewardBaseline(), cfg, 0)
+
+
+class Bare:
+    module, device = bare, torch.device("cpu")
+    def __call__(self, *args, **kwargs):
+        return bare(*args, **kwargs)
+
+
+losses = {"sao": [], "bare": []}
+for _ in range(2):
+    outcome = train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg, 0), cfg, 384,
+                         batch_layout(cfg, 1)[1])
+    losses["sao"].append(outcome.stats.loss)
+    loss, _ = rank_loss(Bare(), plan, list(range(len(batch))), len(batch), cfg, 384)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(bare.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    losses["bare"].append(float(loss.detach()))
+print(json.dumps({"losses": losses, "collectives": len(collectives)}))
+shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_one_rank_step_skips_the_reduce_scatter_and_matches_a_plain_pytorch_step():
+    result = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["collectives"] == 0  # nothing to exchange with one rank, and nothing was
+    sao, bare = found["losses"]["sao"], found["losses"]["bare"]
+    assert sao[0] == pytest.approx(bare[0], abs=1e-6)  # the same weights and rows: the same loss
+    # After one update the loss moved, and moved the same way in both: the gradient reached the weights.
+    assert abs(bare[1] - bare[0]) > 1e-3
+    assert sao[1] == pytest.approx(bare[1], abs=1e-4)
