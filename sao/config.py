@@ -127,8 +127,9 @@ class PolicyConfig(Section):
                           "calculator...').")
     temperature: float = Field(
         0.7, gt=0, description="Sampling temperature; the trainer recomputes log-probs under it. 0.7: a small policy at "
-                               "1.0 succeeds too rarely to learn from reliably (default run, 3 seeds: sampled first-try "
-                               "success 0.31-0.54 at 0.7 vs 0.15-0.33 at 1.0; benchmarks/README.md).")
+                               "1.0 succeeds too rarely to learn from reliably (default runs: sampled first-try success "
+                               "0.31-0.54 at 0.7 vs 0.20-0.33 at 1.0; held-out gain the same within error; "
+                               "benchmarks/README.md).")
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus sampling: draw from the smallest set of tokens holding this much "
                                      "probability. Behaviour log-probs are those of that truncated distribution, so "
@@ -273,8 +274,8 @@ class TrainerConfig(Section):
     torch_threads: int | Literal["auto"] = Field(
         "auto", description="torch threads of the trainer process; auto = the CPUs in the process's affinity mask "
                             "(after trainer.cpu_affinity is applied) shared among the ranks on this machine, so the "
-                            "trainer also runs on what the samplers leave idle (default run: 0.91 of 2 cores busy, "
-                            "13% sooner than with 1 thread).")
+                            "trainer also runs on what the samplers leave idle (default runs: 0.88-0.91 of 2 cores busy, "
+                            "0.78-0.81 with 1 thread).")
     cpu_affinity: list[int] | None = Field(
         None, description="CPU ids the trainer process is pinned to (os.sched_setaffinity at start, before torch sets "
                           "its threads); unset = wherever the OS schedules it. See sampler.cpu_affinity.")

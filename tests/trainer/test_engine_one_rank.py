@@ -29,14 +29,15 @@ from support.trainer_runs import synthetic_trajectory
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
-cfg = load_config(overrides=['policy.model="tiny"', "trainer.learning_rate=1e-3", "trainer.fused_adamw=false"],
-                  environ={}).trainer
+config = load_config(overrides=['policy.model="tiny"', "trainer.learning_rate=1e-3", "trainer.fused_adamw=false"],
+                     environ={})
+cfg = config.trainer
 collectives = []  # every reduce-scatter that reached torch.distributed
 original = deepspeed.comm.reduce_scatter_fn
 deepspeed.comm.reduce_scatter_fn = lambda *a, **k: (collectives.append(1), original(*a, **k))[1]
 
-policy = build_policy(load_config(overrides=['policy.model="tiny"'], environ={}).policy, 384)
-bare = build_policy(load_config(overrides=['policy.model="tiny"'], environ={}).policy, 384)
+policy = build_policy(config.policy, 384)
+bare = build_policy(config.policy, 384)
 bare.load_state_dict(policy.state_dict())
 engine = build_engine(policy, cfg)
 optimizer = torch.optim.AdamW(bare.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
