@@ -5,17 +5,22 @@
 Held-out recorded episodes (labyrinth episodes of >= 100 steps by the scripted noisy expert, and
 multi-turn arithmetic episodes of a stuck learner; seeds no alignment run uses) are replayed
 through the sampler's compressor. Each scored step's recorded action is teacher-forced under
-five contexts:
+six contexts:
   full   - prompt + every earlier step as text (the upper bound, and the KL reference)
   sao    - prompt + memory soft tokens (aligned projector) + recent window + observation
   zero   - the same with the zero projector (what a run without alignment reads)
+  other  - the aligned projector reading another episode's memory (as many slots, wrong content):
+           what sao gains over it is what the memory says about this episode; what it shares with
+           it is a learned prompt (e.g. "the replies are short commands")
   recent - prompt + recent window + observation (truncation)
   none   - prompt + observation
 and the benchmark reports per-action NLL (summed over the action's tokens) and KL(full || context)
 with standard errors, plus the context length (tokens + soft tokens) at steps 10, 100 and 1000
 of a 1000-step labyrinth episode. Headline: gap recovered = (NLL_recent - NLL_sao) /
 (NLL_recent - NLL_full) on the labyrinth; `baseline` is the zero projector's, `ratio` is the gap
-recovered itself; `context_ratio` = sao context / full context at step 1000.
+recovered itself, and `other_episode_memory` the gap recovered by the aligned projector reading
+another episode's memory (the part of `value` that is not about this episode); `context_ratio` =
+sao context / full context at step 1000.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-CONTEXTS = ("full", "sao", "zero", "recent", "none")
+CONTEXTS = ("full", "sao", "zero", "other", "recent", "none")
 HELDOUT_SEED = 1_000_003  # alignment corpora use small seeds; these worlds and questions are never trained on
 LENGTH_STEPS = (10, 100, 1000)
 
@@ -59,8 +64,16 @@ def scored_steps(prepared, per_episode: int, rng: random.Random) -> list[int]:
     return [candidates[int(i * stride + rng.random() * stride)] for i in range(per_episode)]
 
 
-def score_episode(policy, item, steps: list[int], batch: int, zero_state, aligned_state) -> list[dict]:
-    """Per scored action: NLL and KL to full text under each context."""
+def donor_memory(donor, count: int) -> np.ndarray:
+    """`count` memory rows of another episode, cycled if it has fewer: memory of the right form, wrong content."""
+    rows = donor.trajectory.memory.dequantized(len(donor.trajectory.memory.vectors))
+    return rows[np.arange(count) % len(rows)] if len(rows) else rows[:0]
+
+
+def score_episode(policy, item, donor, steps: list[int], batch: int, zero_state, aligned_state) -> list[dict]:
+    """Per scored action: NLL and KL to full text under each context (`donor`: the episode lending `other` memory)."""
+    from dataclasses import replace
+
     import torch
 
     from sao.offline.align import (
@@ -73,6 +86,7 @@ def score_episode(policy, item, steps: list[int], batch: int, zero_state, aligne
 
     teacher = episode_full_text_logprobs(policy, item.trajectory)
     builders = {"sao": lambda s: item.student[s], "zero": lambda s: item.student[s],
+                "other": lambda s: replace(item.student[s], memory=donor_memory(donor, len(item.student[s].memory))),
                 "recent": lambda s: without_memory(item.student[s]),
                 "none": lambda s: no_history_input(item.trajectory, s)}
     rows = [{"step": s, "env": item.episode.env} for s in steps]
@@ -111,11 +125,13 @@ def env_summary(rows: list[dict]) -> dict:
         nll, nll_se = summarise([r[context][0] for r in rows])
         kl, kl_se = summarise([r[context][1] for r in rows])
         out[context] = {"nll": nll, "nll_se": nll_se, "kl": kl, "kl_se": kl_se}
-    for context in ("sao", "zero"):
+    for context in ("sao", "zero", "other"):
         out[f"gap_recovered_{context}"] = gap_recovered(rows, context)
         out[f"gap_recovered_{context}_se"] = bootstrap_se(rows, lambda sample, c=context: gap_recovered(sample, c))
     diff, diff_se = summarise([r["zero"][0] - r["sao"][0] for r in rows])
     out["nll_zero_minus_sao"], out["nll_zero_minus_sao_se"] = diff, diff_se
+    diff, diff_se = summarise([r["other"][0] - r["sao"][0] for r in rows])
+    out["nll_other_minus_sao"], out["nll_other_minus_sao_se"] = diff, diff_se
     return out
 
 
@@ -208,7 +224,10 @@ def main() -> None:
     rows: list[dict] = []
     progress = Console(stderr=True)
     for index, item in enumerate(prepared):
-        rows += score_episode(policy, item, scored_steps(item, args.steps_per_episode, rng), args.batch,
+        # The next episode of the same env with memory lends its slots to the `other` context.
+        others = [d for d in prepared[index + 1:] + prepared[:index] if len(d.trajectory.memory.vectors)]
+        donors = [d for d in others if d.episode.env == item.episode.env] or others or [item]
+        rows += score_episode(policy, item, donors[0], scored_steps(item, args.steps_per_episode, rng), args.batch,
                               zero_state, aligned_state)
         progress.print(f"scored episode {index + 1}/{len(prepared)} ({item.episode.env}, {len(item.episode)} steps) "
                        f"at {time.perf_counter() - started:.0f} s")
@@ -229,8 +248,11 @@ def main() -> None:
             table.add_row(context, f"{s['nll']:.3f} ± {s['nll_se']:.3f}", f"{s['kl']:.3f} ± {s['kl_se']:.3f}")
         console.print(table)
         console.print(f"gap recovered: aligned {summary['gap_recovered_sao']:.3f} ± {summary['gap_recovered_sao_se']:.3f}, "
-                      f"zero projector {summary['gap_recovered_zero']:.3f} ± {summary['gap_recovered_zero_se']:.3f}; "
-                      f"NLL zero - aligned {summary['nll_zero_minus_sao']:+.3f} ± {summary['nll_zero_minus_sao_se']:.3f}")
+                      f"zero projector {summary['gap_recovered_zero']:.3f} ± {summary['gap_recovered_zero_se']:.3f}, "
+                      f"another episode's memory {summary['gap_recovered_other']:.3f} ± "
+                      f"{summary['gap_recovered_other_se']:.3f}; NLL zero - aligned {summary['nll_zero_minus_sao']:+.3f} "
+                      f"± {summary['nll_zero_minus_sao_se']:.3f}, other - aligned {summary['nll_other_minus_sao']:+.3f} "
+                      f"± {summary['nll_other_minus_sao_se']:.3f}")
     lengths_table = Table(title=f"context length (tokens + soft tokens), recent window {args.recent_window}")
     for column in ("step", "full text", "sao", "of which soft tokens", "recent window alone", "sao / full",
                    "tokens per slot", "slot bytes / replaced token bytes"):
@@ -246,7 +268,10 @@ def main() -> None:
     result = {
         "headline": {"metric": "gap recovered (labyrinth, aligned projector)", "value": lab["gap_recovered_sao"],
                      "baseline": lab["gap_recovered_zero"], "ratio": lab["gap_recovered_sao"],
-                     "unit": "fraction of the truncation NLL gap"},
+                     "unit": "fraction of the truncation NLL gap",
+                     # The same projector reading another episode's memory: what it shares with `value` is a
+                     # learned prompt, not what this episode's memory says.
+                     "other_episode_memory": lab["gap_recovered_other"]},
         "context_ratio": context_ratio, "gap_recovered_se": lab["gap_recovered_sao_se"],
         "model": args.model, "projector": projector_line, "recent_window": args.recent_window,
         "envs": by_env, "context_lengths": lengths, "seconds": seconds, "threads": args.threads,

@@ -323,7 +323,8 @@ def align(out: Annotated[Path | None, typer.Option(
              "--max-steps", str(max_steps)] if not (input_path or bootstrap_servers) else (
         ["--input", str(input_path)] if input_path else ["--bootstrap-servers", str(bootstrap_servers)])
     flags += ["--updates", str(updates), "--batch-size", str(batch_size), "--lr", f"{lr:g}", "--top-k", str(top_k),
-              "--recent-window", str(window), "--validation-steps", str(validation_steps), "--seed", str(seed)]
+              "--recent-window", str(window), "--validation-steps", str(validation_steps), "--seed", str(seed),
+              "--threads", str(threads)]  # the thread count can change float sums, so it is part of the recipe
     flags += [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
     meta = {"model": model, "encoder": encoder_name, "corpus": source, "recent_window": window,
             "temporal_filter": temporal_filter.meta.get("command", "shipped default"),

@@ -23,14 +23,16 @@ def test_memory_fidelity_tiny(tmp_path):
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True, timeout=1200)
     result = json.loads(out.read_text())
     headline = result["headline"]
-    assert set(headline) == {"metric", "value", "baseline", "ratio", "unit"}
+    assert set(headline) == {"metric", "value", "baseline", "ratio", "unit", "other_episode_memory"}
+    assert headline["other_episode_memory"] == pytest.approx(result["envs"]["textworld"]["gap_recovered_other"],
+                                                            nan_ok=True)
     assert headline["ratio"] == headline["value"]
     assert set(result["envs"]) == {"textworld", "arithmetic"}
     for summary in result["envs"].values():
         assert summary["actions"] > 0
         full = summary["full"]
         assert full["kl"] == pytest.approx(0.0, abs=1e-5)  # the reference against itself
-        for context in ("sao", "zero", "recent", "none"):
+        for context in ("sao", "zero", "other", "recent", "none"):
             assert math.isfinite(summary[context]["nll"]) and summary[context]["nll"] > 0
             assert summary[context]["kl"] >= -1e-5
         # The zero projector's soft tokens are zero vectors, not absent ones: its NLL differs from truncation's,
