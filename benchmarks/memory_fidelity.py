@@ -14,6 +14,8 @@ six contexts:
            it is a learned prompt (e.g. "the replies are short commands")
   recent - prompt + recent window + observation (truncation)
   none   - prompt + observation
+(`--recall-only` scores only the labyrinth actions whose object only the past names - putting a
+gem on the altar, dropping an item - where memory's content, not its form, has to help)
 and the benchmark reports per-action NLL (summed over the action's tokens) and KL(full || context)
 with standard errors, plus the context length (tokens + soft tokens) at steps 10, 100 and 1000
 of a 1000-step labyrinth episode. Headline: gap recovered = (NLL_recent - NLL_sao) /
@@ -55,9 +57,16 @@ def long_labyrinth(seed: int, count: int, min_steps: int, max_steps: int):
     return found
 
 
-def scored_steps(prepared, per_episode: int, rng: random.Random) -> list[int]:
-    """Evenly spread steps that see at least one memory slot (where the contexts differ)."""
-    candidates = [s for s, x in enumerate(prepared.student) if len(x.memory)]
+# Labyrinth actions whose object only the past names: the gem put on the altar or the item dropped was
+# picked up many steps earlier, and the inventory is not shown unless asked for.
+RECALL_ACTIONS = ("put ", "drop ")
+
+
+def scored_steps(prepared, per_episode: int, rng: random.Random, recall_only: bool = False) -> list[int]:
+    """Evenly spread steps that see at least one memory slot (where the contexts differ); with `recall_only`,
+    only those whose recorded action is one of RECALL_ACTIONS."""
+    candidates = [s for s, x in enumerate(prepared.student) if len(x.memory) and (
+        not recall_only or prepared.episode.steps[s].action.startswith(RECALL_ACTIONS))]
     if len(candidates) <= per_episode:
         return candidates
     stride = len(candidates) / per_episode
@@ -188,6 +197,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=160, help="labyrinth step limit of the scored episodes")
     parser.add_argument("--steps-per-episode", type=int, default=24, help="scored actions per episode")
     parser.add_argument("--recent-window", type=int, default=1, help="finished steps in full text")
+    parser.add_argument("--recall-only", action="store_true",
+                        help="labyrinth: score only actions whose object only the past names (put a gem, drop)")
     parser.add_argument("--batch", type=int, default=4, help="contexts per forward pass")
     parser.add_argument("--align-updates", type=int, default=0, help="align a projector here first (tests, tiny)")
     parser.add_argument("--align-episodes", type=int, default=2, help="with --align-updates: episodes per env")
@@ -227,8 +238,8 @@ def main() -> None:
         # The next episode of the same env with memory lends its slots to the `other` context.
         others = [d for d in prepared[index + 1:] + prepared[:index] if len(d.trajectory.memory.vectors)]
         donors = [d for d in others if d.episode.env == item.episode.env] or others or [item]
-        rows += score_episode(policy, item, donors[0], scored_steps(item, args.steps_per_episode, rng), args.batch,
-                              zero_state, aligned_state)
+        steps = scored_steps(item, args.steps_per_episode, rng, args.recall_only and item.episode.env == "textworld")
+        rows += score_episode(policy, item, donors[0], steps, args.batch, zero_state, aligned_state)
         progress.print(f"scored episode {index + 1}/{len(prepared)} ({item.episode.env}, {len(item.episode)} steps) "
                        f"at {time.perf_counter() - started:.0f} s")
     by_env = {env: env_summary([r for r in rows if r["env"] == env]) for env in sorted({r["env"] for r in rows})}
