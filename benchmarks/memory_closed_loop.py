@@ -21,8 +21,8 @@ token as the sampler builds them (sao.sampler.rollout.LiveEpisode), so only the 
 Arms take turns world by world until the time budget is spent, so every arm plays the same
 worlds. Per arm, mean ± s.e. over episodes of: return (share of gems on the altar), solved, gem
 taken (the first half of the task), distinct rooms visited (revisiting is what an agent without
-its history does) and steps. The headline is sao's return against truncation's, paired by world;
-`ratio` = sao / recent.
+its history does) and steps. The headline is sao's mean return against truncation's (`ratio` =
+sao / recent); `paired` holds the per-world differences with their standard errors.
 """
 
 from __future__ import annotations
@@ -91,8 +91,7 @@ def play(spec: dict, policy, chat, encoder, temporal_filter, recent_window: int,
     rooms, gem_taken, total, moves = {env.state.position}, False, 0.0, []
     while True:
         commands = env.admissible_actions()
-        command_ids = [np.asarray(chat.tokenizer(c, add_special_tokens=False)["input_ids"]
-                                  + chat.end_of_turn_ids.tolist(), np.int32) for c in commands]
+        command_ids = [chat.action_ids(c) for c in commands]
         visible = len(compressor.visible_slots()) if use_memory else 0
         scores = command_logprobs(policy, prompt_ids, compressor.dequantized(list(range(visible))),
                                   step_tokens(finished, observation_ids, recent_window), command_ids)
@@ -114,10 +113,9 @@ def play(spec: dict, policy, chat, encoder, temporal_filter, recent_window: int,
 
 
 def mean_se(values: list[float]) -> dict:
-    from sao.stats import mean, stderr
+    from sao.offline.align import summarise
 
-    se = stderr(values)  # None below two episodes
-    return {"mean": mean(values), "se": float("nan") if se is None else se}
+    return dict(zip(("mean", "se"), summarise(values)))  # se NaN below two episodes
 
 
 def summary(episodes: list[dict]) -> dict:

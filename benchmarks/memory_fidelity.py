@@ -242,6 +242,9 @@ def main() -> None:
         rows += score_episode(policy, item, donors[0], steps, args.batch, zero_state, aligned_state)
         progress.print(f"scored episode {index + 1}/{len(prepared)} ({item.episode.env}, {len(item.episode)} steps) "
                        f"at {time.perf_counter() - started:.0f} s")
+    if args.recall_only and not any(r["env"] == "textworld" for r in rows):
+        raise SystemExit("--recall-only: no labyrinth episode has an action that puts a gem or drops an item after "
+                         "memory began; raise --labyrinth-episodes or --max-steps")
     by_env = {env: env_summary([r for r in rows if r["env"] == env]) for env in sorted({r["env"] for r in rows})}
     lengths = context_lengths(config, encoder, temporal_filter, args.recent_window, HELDOUT_SEED, args.longest_step)
     longest = lengths[max(lengths, key=int)]

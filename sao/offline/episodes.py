@@ -197,8 +197,7 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
     for index, step in enumerate(episode.steps):
         observation_ids = (chat.first_observation(step.observation) if index == 0
                            else chat.feedback_observation(step.observation, steps[-1].action_ids))
-        action_tokens = chat.tokenizer(step.action, add_special_tokens=False)["input_ids"]
-        action_ids = np.asarray(action_tokens + chat.end_of_turn_ids.tolist(), dtype=np.int32)
+        action_ids = chat.action_ids(step.action)
         visible = len(visible_slots_at(table.created_at_step, index, recent_window))
         steps.append(Step(observation_ids, action_ids, np.zeros(len(action_ids), np.float32), step.reward,
                           step.done, visible))

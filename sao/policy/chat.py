@@ -82,6 +82,10 @@ class ChatFormat:
         closed = len(action_ids) > 0 and int(action_ids[-1]) in self.stop.token_ids
         return observation if closed else np.concatenate([self.end_of_turn_ids, observation])
 
+    def action_ids(self, text: str) -> np.ndarray:
+        """A written action as the policy would have produced it: its tokens, then the end-of-turn marker."""
+        return np.concatenate([self._encode(text), self.end_of_turn_ids]).astype(np.int32)
+
     def action_text(self, ids: np.ndarray) -> str:
         """What the env is shown: the decoded action, cut after its stop string if it has one."""
         return self.stop.cut(self._decode_ids(ids.tolist()))
