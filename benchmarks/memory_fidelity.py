@@ -17,7 +17,8 @@ six contexts:
 (`--recall-only` scores only the labyrinth actions whose object only the past names - putting a
 gem on the altar, dropping an item - where memory's content, not its form, has to help)
 and the benchmark reports per-action NLL (summed over the action's tokens) and KL(full || context)
-with standard errors, plus the context length (tokens + soft tokens) at steps 10, 100 and 1000
+with standard errors; for each scored gem delivery, whether the context makes the LM rank the gem
+it holds first among the world's gems (against chance, 1 / gems); plus the context length (tokens + soft tokens) at steps 10, 100 and 1000
 of a 1000-step labyrinth episode. Headline: gap recovered = (NLL_recent - NLL_sao) /
 (NLL_recent - NLL_full) on the labyrinth; `baseline` is the zero projector's, `ratio` is the gap
 recovered itself, and `other_episode_memory` the gap recovered by the aligned projector reading
@@ -79,8 +80,37 @@ def donor_memory(donor, count: int) -> np.ndarray:
     return rows[np.arange(count) % len(rows)] if len(rows) else rows[:0]
 
 
-def score_episode(policy, item, donor, steps: list[int], batch: int, zero_state, aligned_state) -> list[dict]:
-    """Per scored action: NLL and KL to full text under each context (`donor`: the episode lending `other` memory)."""
+def gem_choice(item, step: int, chat):
+    """For a recorded "put <gem> on altar": (position, the recorded gem's token, every gem's token) at the first
+    action token where this world's gems differ; None for any other action. Lets a context be judged by whether
+    the LM names the gem it holds (which only the past says) rather than by the action's total NLL."""
+    from sao.envs.textworld import build_world
+
+    action = item.episode.steps[step].action
+    if not action.startswith("put ") or "spec" not in item.episode.meta:
+        return None
+    gems = build_world(item.episode.meta["spec"]).gems
+    held = action.split()[1]
+    if held not in gems or len(gems) < 2:
+        return None
+    ids = {gem: list(chat.action_ids(f"put {gem} on altar")) for gem in gems}
+    position = next(i for i in range(min(map(len, ids.values())))
+                    if len({row[i] for row in ids.values()}) > 1)
+    return position, ids[held][position], [row[position] for row in ids.values()]
+
+
+def named_first(choice, logprobs) -> float:
+    """1.0 if the held gem's token has the highest log-prob among the world's gems, 0.0 if not; NaN: no choice."""
+    if choice is None:
+        return math.nan
+    position, held, candidates = choice
+    scores = logprobs[position, candidates]
+    return float(int(scores.argmax()) == candidates.index(held))
+
+
+def score_episode(policy, item, donor, steps: list[int], batch: int, zero_state, aligned_state, chat) -> list[dict]:
+    """Per scored action: NLL and KL to full text under each context (`donor`: the episode lending `other` memory),
+    and, for gem deliveries, whether the context's LM names the held gem first (`gem_choice`)."""
     from dataclasses import replace
 
     import torch
@@ -99,8 +129,12 @@ def score_episode(policy, item, donor, steps: list[int], batch: int, zero_state,
                 "recent": lambda s: without_memory(item.student[s]),
                 "none": lambda s: no_history_input(item.trajectory, s)}
     rows = [{"step": s, "env": item.episode.env} for s in steps]
+    choices = {s: gem_choice(item, s, chat) if item.episode.env == "textworld" else None for s in steps}
     for row, s in zip(rows, steps):
-        row["full"] = action_nll_kl(teacher[s], teacher[s], item.trajectory.steps[s].action_ids)
+        if choices[s] is not None:
+            row["gem_chance"] = 1 / len(choices[s][2])
+        row["full"] = (*action_nll_kl(teacher[s], teacher[s], item.trajectory.steps[s].action_ids),
+                       named_first(choices[s], teacher[s]))
     for name, build in builders.items():
         policy.projector.load_state_dict(zero_state if name == "zero" else aligned_state)
         with torch.no_grad():
@@ -108,7 +142,8 @@ def score_episode(policy, item, donor, steps: list[int], batch: int, zero_state,
                 chunk = steps[start:start + batch]
                 for s, logprobs, row in zip(chunk, context_logprobs(policy, [build(s) for s in chunk]),
                                             rows[start:start + batch]):
-                    row[name] = action_nll_kl(teacher[s], logprobs, item.trajectory.steps[s].action_ids)
+                    row[name] = (*action_nll_kl(teacher[s], logprobs, item.trajectory.steps[s].action_ids),
+                                 named_first(choices[s], logprobs))
     policy.projector.load_state_dict(aligned_state)
     return rows
 
@@ -141,6 +176,11 @@ def env_summary(rows: list[dict]) -> dict:
     out["nll_zero_minus_sao"], out["nll_zero_minus_sao_se"] = diff, diff_se
     diff, diff_se = summarise([r["other"][0] - r["sao"][0] for r in rows])
     out["nll_other_minus_sao"], out["nll_other_minus_sao_se"] = diff, diff_se
+    deliveries = [r for r in rows if "gem_chance" in r]
+    if deliveries:  # does the context make the LM name the gem it holds? (chance: 1 / gems in the world)
+        out["gem_deliveries"] = len(deliveries)
+        out["gem_chance"] = float(np.mean([r["gem_chance"] for r in deliveries]))
+        out["gem_named_first"] = {c: summarise([r[c][2] for r in deliveries]) for c in CONTEXTS}
     return out
 
 
@@ -215,7 +255,7 @@ def main() -> None:
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.config import load_config
-    from sao.offline.align import prepare, tutoring_corpus
+    from sao.offline.align import chat_formats, prepare, tutoring_corpus
     from sao.policy.weights import build_policy
 
     torch.set_num_threads(args.threads)
@@ -231,6 +271,7 @@ def main() -> None:
     episodes = (long_labyrinth(HELDOUT_SEED, args.labyrinth_episodes, args.min_steps, args.max_steps)
                 + tutoring_corpus(HELDOUT_SEED, args.tutoring_episodes))
     prepared = prepare(episodes, config, encoder, temporal_filter, args.recent_window)
+    chats = chat_formats(config, [e.env for e in episodes])
     rng = random.Random(0)
     rows: list[dict] = []
     progress = Console(stderr=True)
@@ -239,7 +280,8 @@ def main() -> None:
         others = [d for d in prepared[index + 1:] + prepared[:index] if len(d.trajectory.memory.vectors)]
         donors = [d for d in others if d.episode.env == item.episode.env] or others or [item]
         steps = scored_steps(item, args.steps_per_episode, rng, args.recall_only and item.episode.env == "textworld")
-        rows += score_episode(policy, item, donors[0], steps, args.batch, zero_state, aligned_state)
+        rows += score_episode(policy, item, donors[0], steps, args.batch, zero_state, aligned_state,
+                              chats.get(item.episode.env))
         progress.print(f"scored episode {index + 1}/{len(prepared)} ({item.episode.env}, {len(item.episode)} steps) "
                        f"at {time.perf_counter() - started:.0f} s")
     if args.recall_only and not any(r["env"] == "textworld" for r in rows):
@@ -267,6 +309,10 @@ def main() -> None:
                       f"{summary['gap_recovered_other_se']:.3f}; NLL zero - aligned {summary['nll_zero_minus_sao']:+.3f} "
                       f"± {summary['nll_zero_minus_sao_se']:.3f}, other - aligned {summary['nll_other_minus_sao']:+.3f} "
                       f"± {summary['nll_other_minus_sao_se']:.3f}")
+        if "gem_named_first" in summary:
+            named = ", ".join(f"{c} {m:.2f} ± {e:.2f}" for c, (m, e) in summary["gem_named_first"].items())
+            console.print(f"gem deliveries ({summary['gem_deliveries']}): the held gem ranked first among the world's "
+                          f"gems - {named} (chance {summary['gem_chance']:.2f})")
     lengths_table = Table(title=f"context length (tokens + soft tokens), recent window {args.recent_window}")
     for column in ("step", "full text", "sao", "of which soft tokens", "recent window alone", "sao / full",
                    "tokens per slot", "slot bytes / replaced token bytes"):

@@ -120,6 +120,15 @@ def context_logprobs(policy: MemoryPolicy, inputs: Sequence[StepInput]) -> list[
     return out
 
 
+def reconstruction_nll(policy: MemoryPolicy, examples: Sequence[StepInput]) -> torch.Tensor:
+    """Per-example mean NLL per text token of `sao.offline.reconstruction` examples (grad flows to the projector)."""
+    out = []
+    for example, logprobs in zip(examples, context_logprobs(policy, examples)):
+        ids = torch.as_tensor(np.asarray(example.action_ids, np.int64), device=logprobs.device)
+        out.append(-logprobs.gather(-1, ids[:, None]).mean())
+    return torch.stack(out)
+
+
 def action_nll_kl(teacher: torch.Tensor, student: torch.Tensor, action_ids) -> tuple[float, float]:
     """One action's NLL (summed over its tokens) under `student`, and its KL(teacher || student) summed."""
     ids = torch.as_tensor(np.asarray(action_ids, np.int64), device=student.device)
@@ -173,9 +182,15 @@ def mean_kl(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: Se
 
 def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], steps: int, lr: float = 1e-3,
                     batch_size: int = 8, seed: int = 0, top_k: int = 64,
-                    progress: Callable[[int, float], None] | None = None) -> list[float]:
-    """Train `policy.projector` (only) by distillation; returns the loss of every update.
+                    progress: Callable[[str, int, float], None] | None = None,
+                    reconstruction: Sequence[StepInput] = (), reconstruct_updates: int = 0,
+                    reconstruct_batch: int = 16, reconstruct_weight: float = 1.0) -> list[float]:
+    """Train `policy.projector` (only); returns the loss of every update.
 
+    With `reconstruction` examples (`sao.offline.reconstruction.slot_examples`), first
+    `reconstruct_updates` updates teach the soft token its slot's content (the LM rewrites the
+    step from it), then every distillation update adds `reconstruct_weight` x that loss on
+    `reconstruct_batch` examples, so distillation cannot trade the content away for a prompt.
     The LM's parameters are frozen for the duration and restored to their previous
     `requires_grad` afterwards.
     """
@@ -192,16 +207,26 @@ def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], s
         p.requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.projector.parameters(), lr=lr, weight_decay=0.0)
     losses = []
+
+    def update(phase: str, index: int, loss: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(phase, index, losses[-1])
+
+    def reconstruct(count: int) -> torch.Tensor:
+        return reconstruction_nll(policy, rng.sample(list(reconstruction), min(count, len(reconstruction)))).mean()
+
     try:
-        for update in range(steps):
-            batch = rng.sample(pairs, min(batch_size, len(pairs)))
-            loss = distillation_loss(policy, prepared, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            if progress is not None:
-                progress(update, losses[-1])
+        for index in range(reconstruct_updates if reconstruction else 0):
+            update("reconstruct", index, reconstruct(reconstruct_batch))
+        for index in range(steps):
+            loss = distillation_loss(policy, prepared, rng.sample(pairs, min(batch_size, len(pairs))))
+            if reconstruction and reconstruct_weight:
+                loss = loss + reconstruct_weight * reconstruct(reconstruct_batch)
+            update("distil", index, loss)
     finally:
         for name, p in policy.lm.named_parameters():
             p.requires_grad_(frozen[name])

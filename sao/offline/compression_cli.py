@@ -264,13 +264,18 @@ def align(out: Annotated[Path | None, typer.Option(
           batch_size: Annotated[int, typer.Option(min=1, help="Steps per update.")] = 4,
           lr: Annotated[float, typer.Option(min=0, help="AdamW learning rate of the projector.")] = 1e-3,
           top_k: Annotated[int, typer.Option(min=1, help="Teacher tokens kept per action token.")] = 64,
+          reconstruct_updates: Annotated[int, typer.Option(
+              min=0, help="Updates before distillation that teach each slot its step's text (0: none).")] = 0,
+          reconstruct_batch: Annotated[int, typer.Option(min=1, help="Slots per reconstruction loss.")] = 16,
+          reconstruct_weight: Annotated[float, typer.Option(
+              min=0, help="Weight of the reconstruction loss added to each distillation update (0: none).")] = 0.0,
           recent_window: Annotated[int | None, typer.Option(
               min=0, help="Steps in full text (default: compression.recent_window).")] = None,
           validation_steps: Annotated[int, typer.Option(min=1, help="Held-out steps the KL is reported on.")] = 24,
           seed: SeedOpt = 0,
           threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
           config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Align the memory projector by distillation (full-text LM teaches memory-reading LM); LM frozen."""
+    """Align the memory projector: slots learn their step's text, then distillation (full text teaches memory); LM frozen."""
     import random
     import time
 
@@ -279,6 +284,8 @@ def align(out: Annotated[Path | None, typer.Option(
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.offline import align as alignment
+    from sao.offline import reconstruction as content
+    from sao.policy.loading import load_tokenizer
     from sao.policy.projector import encoder_identity, save_projector, shipped_projector_path
     from sao.policy.weights import build_policy
 
@@ -308,21 +315,31 @@ def align(out: Annotated[Path | None, typer.Option(
     val_pairs = alignment.memory_steps(val_set)
     val_pairs = sorted(random.Random(seed).sample(val_pairs, min(validation_steps, len(val_pairs))))
     kl_zero = alignment.mean_kl(policy, val_set, val_pairs)
-    console.print(f"{len(train_set)} training episodes ({len(alignment.memory_steps(train_set))} steps with memory); "
-                  f"held-out KL with the zero projector {kl_zero:.4f}")
+    tokenizer = load_tokenizer(cfg.policy.model, cfg.policy.cache_dir)
+    train_slots = content.slot_examples(train_set, tokenizer)
+    val_slots = content.slot_examples(val_set, tokenizer)  # every held-out slot: a forward each, cheap
+    console.print(f"{len(train_set)} training episodes ({len(alignment.memory_steps(train_set))} steps with memory, "
+                  f"{len(train_slots)} slots); held-out KL with the zero projector {kl_zero:.4f}")
+    totals = {"reconstruct": reconstruct_updates, "distil": updates}
 
-    def progress(update: int, loss: float) -> None:
-        if update % 5 == 0 or update == updates - 1:
-            console.print(f"update {update + 1}/{updates}: loss {loss:.4f} ({time.perf_counter() - started:.0f} s)")
+    def progress(phase: str, update: int, loss: float) -> None:
+        if update % 5 == 0 or update == totals[phase] - 1:
+            console.print(f"{phase} {update + 1}/{totals[phase]}: loss {loss:.4f} "
+                          f"({time.perf_counter() - started:.0f} s)")
 
-    losses = alignment.align_projector(policy, train_set, updates, lr, batch_size, seed, top_k, progress)
+    losses = alignment.align_projector(policy, train_set, updates, lr, batch_size, seed, top_k, progress,
+                                       reconstruction=train_slots, reconstruct_updates=reconstruct_updates,
+                                       reconstruct_batch=reconstruct_batch, reconstruct_weight=reconstruct_weight)
     kl_aligned = alignment.mean_kl(policy, val_set, val_pairs)
+    readable = content.content_nll(policy, val_slots)
     model, encoder_name = cfg.policy.model, encoder_identity(cfg.compression.encoder)
     target = out or shipped_projector_path(model, encoder_name)
     flags = ["--labyrinth-episodes", str(labyrinth_episodes), "--tutoring-episodes", str(tutoring_episodes),
              "--max-steps", str(max_steps)] if not (input_path or bootstrap_servers) else (
         ["--input", str(input_path)] if input_path else ["--bootstrap-servers", str(bootstrap_servers)])
     flags += ["--updates", str(updates), "--batch-size", str(batch_size), "--lr", f"{lr:g}", "--top-k", str(top_k),
+              "--reconstruct-updates", str(reconstruct_updates), "--reconstruct-batch", str(reconstruct_batch),
+              "--reconstruct-weight", f"{reconstruct_weight:g}",
               "--recent-window", str(window), "--validation-steps", str(validation_steps), "--seed", str(seed),
               "--threads", str(threads)]  # the thread count can change float sums, so it is part of the recipe
     flags += [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
@@ -331,6 +348,7 @@ def align(out: Annotated[Path | None, typer.Option(
             "command": shlex.join(["sao", "compression", "align", *flags]), "seed": seed,
             "projector": "linear", "teacher": "same LM reading the full history as text",
             "result": {"kl_zero": kl_zero, "kl_aligned": kl_aligned, "validation_steps": len(val_pairs),
+                       "content": readable,
                        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                        "seconds": round(time.perf_counter() - started, 1), "threads": threads}}
     save_projector(policy.projector, target, meta)
@@ -339,3 +357,7 @@ def align(out: Annotated[Path | None, typer.Option(
         table.add_column(column, justify="right")
     table.add_row(str(updates), f"{kl_zero:.4f}", f"{kl_aligned:.4f}", f"{(kl_aligned - kl_zero) / kl_zero:+.1%}")
     Console().print(table)
+    console.print(f"content: a held-out step's text costs {readable['own']:.3f} nats/token under its own slot, "
+                  f"{readable['other']:.3f} under another step's (other - own {readable['other_minus_own']:+.3f} "
+                  f"± {readable['other_minus_own_stderr']:.3f}, n {readable['n']}); ~0 means the memory says nothing "
+                  "about its step")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,3 +45,31 @@ def test_memory_fidelity_tiny(tmp_path):
     assert lengths["100"]["full"] > lengths["10"]["full"]
     assert lengths["100"]["sao"] < lengths["100"]["full"]
     assert result["context_ratio"] == pytest.approx(lengths["100"]["sao"] / lengths["100"]["full"])
+
+
+def test_gem_choice_asks_whether_the_held_gem_is_named_first(chat):
+    from types import SimpleNamespace
+
+    from sao.config import EnvConfig
+    from sao.envs.textworld import TextWorldEnv, build_world
+    from sao.offline.episodes import Episode, EpisodeStep
+
+    spec = TextWorldEnv.make_tasks(EnvConfig(name="textworld", seed=3, options={"gems": 3}), 1, 0)[0].spec
+    gems = build_world(spec).gems
+    steps = [EpisodeStep("You see the altar.", f"put {gems[1]} on altar", 0.0, False),
+             EpisodeStep("Fine.", "go north", 0.0, False)]
+    item = SimpleNamespace(episode=Episode("textworld", "t", steps, "test", {"spec": spec}))
+    loaded = importlib.util.spec_from_file_location("bench_memory_fidelity", ROOT / "benchmarks" / "memory_fidelity.py")
+    bench = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(bench)
+
+    assert bench.gem_choice(item, 1, chat) is None  # not a delivery
+    position, held, candidates = bench.gem_choice(item, 0, chat)
+    assert len(candidates) == 3 and candidates[1] == held
+    assert list(chat.action_ids(f"put {gems[1]} on altar"))[position] == held
+    logprobs = torch.full((position + 1, max(candidates) + 1), -5.0)
+    logprobs[position, held] = -1.0
+    assert bench.named_first((position, held, candidates), logprobs) == 1.0
+    logprobs[position, candidates[0]] = -0.5
+    assert bench.named_first((position, held, candidates), logprobs) == 0.0
+    assert math.isnan(bench.named_first(None, logprobs))

@@ -73,3 +73,18 @@ def test_train_from_the_trajectories_topic(recorded, tmp_path, kafka_bootstrap, 
     assert result.exit_code == 0, result.output
     meta = json.loads(out.with_suffix(".json").read_text())
     assert meta["episodes"] == 3 and meta["steps"] == 90 and topic in meta["corpus"]
+
+
+def test_align_writes_a_projector_whose_sidecar_holds_its_recipe_and_content_check(tmp_path, encoder):
+    out = tmp_path / "projector.safetensors"
+    result = CliRunner().invoke(app, ["compression", "align", "--labyrinth-episodes", "1", "--tutoring-episodes", "1",
+                                      "--max-steps", "12", "--updates", "2", "--reconstruct-updates", "2",
+                                      "--reconstruct-weight", "0.5", "--reconstruct-batch", "4",
+                                      "--validation-steps", "4", "--out", str(out), "--set", 'policy.model="tiny"'])
+    assert result.exit_code == 0, result.output
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["model"] == "tiny" and "--reconstruct-updates 2" in meta["command"]
+    assert "--reconstruct-weight 0.5" in meta["command"]
+    content = meta["result"]["content"]
+    assert content["n"] > 0 and content["other_minus_own"] == pytest.approx(content["other"] - content["own"])
+    assert "under its own slot" in result.output

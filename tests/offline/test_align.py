@@ -50,10 +50,45 @@ def test_alignment_reduces_kl_in_a_few_steps(tiny_config, prepared):
     assert all(p.requires_grad for p in policy.lm.parameters())  # and trainable again afterwards
 
 
-def test_alignment_is_reproducible_bit_for_bit(tiny_config, prepared):
+@pytest.mark.parametrize("reconstruct", [False, True])
+def test_alignment_is_reproducible_bit_for_bit(tiny_config, prepared, reconstruct):
+    from sao.offline.reconstruction import slot_examples
+    from sao.policy.loading import load_tokenizer
+
+    slots = slot_examples(prepared, load_tokenizer(tiny_config.policy.model, tiny_config.policy.cache_dir))
     weights = []
     for _ in range(2):
         policy = build_policy(tiny_config.policy, 384)
-        align_projector(policy, prepared, steps=2, lr=1e-3, batch_size=3, seed=7, top_k=16)
+        align_projector(policy, prepared, steps=2, lr=1e-3, batch_size=3, seed=7, top_k=16,
+                        reconstruction=slots if reconstruct else (), reconstruct_updates=2, reconstruct_batch=4)
         weights.append(policy.projector.weight.detach().clone())
     assert torch.equal(weights[0], weights[1]) and weights[0].any()
+
+
+def test_each_slot_learns_to_name_its_step(tiny_config, prepared):
+    """Reconstruction examples pair a slot with its own step's text; training them makes the slot say it."""
+    from sao.offline.align import reconstruction_nll
+    from sao.offline.episodes import step_text
+    from sao.offline.reconstruction import MAX_TEXT_TOKENS, content_nll, slot_examples
+    from sao.policy.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_config.policy.model, tiny_config.policy.cache_dir)
+    examples = slot_examples(prepared, tokenizer)
+    item = prepared[0]
+    assert len(examples) == sum(len(p.trajectory.memory.vectors) for p in prepared)
+    first_slot = item.trajectory.memory
+    step = item.episode.steps[int(first_slot.spans[1][0])]
+    expected = tokenizer(step_text(step.observation, step.action), add_special_tokens=False)["input_ids"]
+    assert list(examples[1].action_ids) == expected[-MAX_TEXT_TOKENS:]
+    assert (examples[1].memory[0] == first_slot.dequantized(2)[1]).all()
+
+    policy = build_policy(tiny_config.policy, 384)
+    before = content_nll(policy, examples)
+    assert abs(before["other_minus_own"]) < 1e-6  # zero projector: every slot reads alike
+    losses = align_projector(policy, prepared, steps=0, lr=1e-2, seed=0, top_k=16, reconstruction=examples,
+                             reconstruct_updates=20, reconstruct_batch=len(examples))
+    after = content_nll(policy, examples)
+    assert len(losses) == 20 and losses[-1] < losses[0]
+    assert after["other_minus_own"] > 3 * after["other_minus_own_stderr"] > 0, after
+    with torch.no_grad():
+        assert float(reconstruction_nll(policy, examples).mean()) == pytest.approx(after["own"], rel=1e-5)
