@@ -18,12 +18,13 @@ six contexts:
 gem on the altar, dropping an item - where memory's content, not its form, has to help)
 and the benchmark reports per-action NLL (summed over the action's tokens) and KL(full || context)
 with standard errors; for each scored gem delivery, whether the context makes the LM rank the gem
-it holds first among the world's gems (against chance, 1 / gems); plus the context length (tokens + soft tokens) at steps 10, 100 and 1000
-of a 1000-step labyrinth episode. Headline: gap recovered = (NLL_recent - NLL_sao) /
-(NLL_recent - NLL_full) on the labyrinth; `baseline` is the zero projector's, `ratio` is the gap
-recovered itself, and `other_episode_memory` the gap recovered by the aligned projector reading
-another episode's memory (the part of `value` that is not about this episode); `context_ratio` =
-sao context / full context at step 1000.
+it holds first among the world's gems (against chance, 1 / gems); plus the context length
+(tokens + soft tokens) at steps 10, 100 and 1000 of a 1000-step labyrinth episode.
+Headline: gap recovered = (NLL_recent - NLL_sao) / (NLL_recent - NLL_full) on the labyrinth;
+`baseline` is the zero projector's, `ratio` is the gap recovered itself, and
+`other_episode_memory` the gap recovered by the aligned projector reading another episode's
+memory (the part of `value` that is not about this episode); `context_ratio` = sao context /
+full context at step 1000.
 """
 
 from __future__ import annotations
