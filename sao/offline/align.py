@@ -184,13 +184,14 @@ def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], s
                     batch_size: int = 8, seed: int = 0, top_k: int = 64,
                     progress: Callable[[str, int, float], None] | None = None,
                     reconstruction: Sequence[StepInput] = (), reconstruct_updates: int = 0,
-                    reconstruct_batch: int = 16, reconstruct_weight: float = 1.0) -> list[float]:
+                    reconstruct_batch: int = 16, reconstruct_weight: float = 0.0) -> list[float]:
     """Train `policy.projector` (only); returns the loss of every update.
 
     With `reconstruction` examples (`sao.offline.reconstruction.slot_examples`), first
     `reconstruct_updates` updates teach the soft token its slot's content (the LM rewrites the
     step from it), then every distillation update adds `reconstruct_weight` x that loss on
-    `reconstruct_batch` examples, so distillation cannot trade the content away for a prompt.
+    `reconstruct_batch` examples (0, the default: none), so distillation cannot trade the content
+    away for a prompt.
     The LM's parameters are frozen for the duration and restored to their previous
     `requires_grad` afterwards.
     """
@@ -217,7 +218,7 @@ def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], s
             progress(phase, index, losses[-1])
 
     def reconstruct(count: int) -> torch.Tensor:
-        return reconstruction_nll(policy, rng.sample(list(reconstruction), min(count, len(reconstruction)))).mean()
+        return reconstruction_nll(policy, rng.sample(reconstruction, min(count, len(reconstruction)))).mean()
 
     try:
         for index in range(reconstruct_updates if reconstruction else 0):

@@ -275,7 +275,8 @@ def align(out: Annotated[Path | None, typer.Option(
           seed: SeedOpt = 0,
           threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
           config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Align the memory projector: slots learn their step's text, then distillation (full text teaches memory); LM frozen."""
+    """Align the memory projector by distillation (full text teaches memory), optionally after slots learn their step's
+    text; reports whether slots carry their step's content. LM frozen."""
     import random
     import time
 

@@ -60,7 +60,8 @@ def test_alignment_is_reproducible_bit_for_bit(tiny_config, prepared, reconstruc
     for _ in range(2):
         policy = build_policy(tiny_config.policy, 384)
         align_projector(policy, prepared, steps=2, lr=1e-3, batch_size=3, seed=7, top_k=16,
-                        reconstruction=slots if reconstruct else (), reconstruct_updates=2, reconstruct_batch=4)
+                        reconstruction=slots if reconstruct else (), reconstruct_updates=2, reconstruct_batch=4,
+                        reconstruct_weight=1.0)
         weights.append(policy.projector.weight.detach().clone())
     assert torch.equal(weights[0], weights[1]) and weights[0].any()
 
