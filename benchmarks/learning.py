@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sao.stats import mean, stderr
 
 KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n", "reward_first_version",
         "reward_last_version", "trajectories_trained", "staleness_mean", "importance_ratio_abs_dev_mean")
@@ -45,8 +46,7 @@ def over_seeds(results: list[dict]) -> dict:
     """Mean held-out gain over seeds, with its error across seeds and over tasks."""
     gains = [r["heldout_gain"] for r in results]
     errors = [r["heldout_gain_stderr"] for r in results]
-    return {"gain": sum(gains) / len(gains),
-            "gain_stderr_seeds": statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else None,
+    return {"gain": mean(gains), "gain_stderr_seeds": stderr(gains),
             "gain_stderr_tasks": None if None in errors else sum(e ** 2 for e in errors) ** 0.5 / len(errors),
             "base": sum(r["heldout_base"] for r in results) / len(results),
             "positive": sum(g > 0 for g in gains), "seeds": len(results)}

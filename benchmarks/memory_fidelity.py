@@ -18,8 +18,10 @@ six contexts:
 gem on the altar, dropping an item - where memory's content, not its form, has to help)
 and the benchmark reports per-action NLL (summed over the action's tokens) and KL(full || context)
 with standard errors; for each scored gem delivery, whether the context makes the LM rank the gem
-it holds first among the world's gems (against chance, 1 / gems); plus the context length
-(tokens + soft tokens) at steps 10, 100 and 1000 of a 1000-step labyrinth episode.
+it holds first among the world's gems (against chance, 1 / gems); what each env's memory costs on
+the wire (INT8 slot bytes against the int32 token ids of the steps the slots stand for;
+`--keep-threshold` trades slots for bytes); plus the context length (tokens + soft tokens) at steps
+10, 100 and 1000 of a 1000-step labyrinth episode.
 Headline: gap recovered = (NLL_recent - NLL_sao) / (NLL_recent - NLL_full) on the labyrinth;
 `baseline` is the zero projector's, `ratio` is the gap recovered itself, and
 `other_episode_memory` the gap recovered by the aligned projector reading another episode's
@@ -76,9 +78,17 @@ def scored_steps(prepared, per_episode: int, rng: random.Random, recall_only: bo
 
 
 def donor_memory(donor, count: int) -> np.ndarray:
-    """`count` memory rows of another episode, cycled if it has fewer: memory of the right form, wrong content."""
-    rows = donor.trajectory.memory.dequantized(len(donor.trajectory.memory.vectors))
+    """`count` memory rows of another episode, cycled if it has fewer: memory of the right form, wrong content.
+    Its last step sees every slot the episode sent (a slot no step saw is never sent)."""
+    rows = donor.student[-1].memory
     return rows[np.arange(count) % len(rows)] if len(rows) else rows[:0]
+
+
+def narrow(prepared, squeeze):
+    """The prepared episodes with every memory slot a step reads passed through `squeeze`."""
+    from dataclasses import replace
+
+    return [replace(item, student=[replace(x, memory=squeeze(x.memory)) for x in item.student]) for item in prepared]
 
 
 def gem_choice(item, step: int, chat):
@@ -185,6 +195,22 @@ def env_summary(rows: list[dict]) -> dict:
     return out
 
 
+def wire_cost(prepared, slot_dim: int | None = None) -> dict:
+    """What the scored episodes' memory costs on the wire against the text it stands for: INT8 slots (`slot_dim`,
+    default the encoder's, bytes + a float32 scale each) vs the int32 token ids of the steps their spans cover."""
+    slots = steps = tokens = slot_bytes = 0
+    for item in prepared:
+        memory, trajectory = item.trajectory.memory, item.trajectory
+        slots += len(memory.scales)
+        slot_bytes += len(memory.scales) * ((slot_dim or memory.vectors.shape[1]) + 4)
+        for first, last in memory.spans:
+            steps += int(last - first + 1)
+            tokens += sum(len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps[first:last + 1])
+    return {"slots": slots, "steps_per_slot": steps / slots if slots else math.nan,
+            "tokens_per_slot": tokens / slots if slots else math.nan, "slot_bytes": slot_bytes,
+            "replaced_token_bytes": 4 * tokens, "bytes_ratio": slot_bytes / (4 * tokens) if tokens else math.nan}
+
+
 def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: int, longest: int) -> dict:
     """Tokens + soft tokens the policy reads at steps 10, 100, 1000 (up to `longest`) of one labyrinth episode."""
     from sao.offline.align import full_text_input, labyrinth_corpus, prepare
@@ -238,6 +264,12 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=160, help="labyrinth step limit of the scored episodes")
     parser.add_argument("--steps-per-episode", type=int, default=24, help="scored actions per episode")
     parser.add_argument("--recent-window", type=int, default=1, help="finished steps in full text")
+    parser.add_argument("--keep-threshold", type=float, default=None,
+                        help="compression.keep_threshold: higher keeps fewer, coarser slots (fewer bytes); "
+                             "default: the temporal weights' calibrated value")
+    parser.add_argument("--memory-dim", type=int, default=None,
+                        help="narrower slots: INT8 coordinates in this many principal directions of training slots "
+                             "(--align-episodes per env, seed 0) instead of the encoder's full width")
     parser.add_argument("--recall-only", action="store_true",
                         help="labyrinth: score only actions whose object only the past names (put a gem, drop)")
     parser.add_argument("--batch", type=int, default=4, help="contexts per forward pass")
@@ -255,15 +287,23 @@ def main() -> None:
 
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
-    from sao.config import load_config
+    from sao.config import ConfigError, load_config
     from sao.offline.align import chat_formats, prepare, tutoring_corpus
     from sao.policy.weights import build_policy
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     started = time.perf_counter()
-    config = load_config(overrides=[f'policy.model="{args.model}"'], environ={})
+    overrides = [f'policy.model="{args.model}"']
+    if args.keep_threshold is not None:  # validated by the config, which names the field on a bad value
+        overrides.append(f"compression.keep_threshold={args.keep_threshold}")
+    try:
+        config = load_config(overrides=overrides, environ={})
+    except ConfigError as err:
+        raise SystemExit(f"--keep-threshold: {err}") from err
     encoder = load_encoder(config.compression.encoder)
+    if args.memory_dim is not None and not 1 <= args.memory_dim <= encoder.dim:
+        raise SystemExit(f"--memory-dim must be between 1 and the encoder's width {encoder.dim} (got {args.memory_dim})")
     temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
     policy = build_policy(config.policy, encoder.dim).eval()
     zero_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
@@ -272,6 +312,15 @@ def main() -> None:
     episodes = (long_labyrinth(HELDOUT_SEED, args.labyrinth_episodes, args.min_steps, args.max_steps)
                 + tutoring_corpus(HELDOUT_SEED, args.tutoring_episodes))
     prepared = prepare(episodes, config, encoder, temporal_filter, args.recent_window)
+    if args.memory_dim is not None:
+        from sao.compression.bottleneck import pca_bottleneck
+        from sao.offline.align import labyrinth_corpus
+
+        fit = prepare(labyrinth_corpus(0, args.align_episodes, args.max_steps) + tutoring_corpus(0, args.align_episodes),
+                      config, encoder, temporal_filter, args.recent_window)
+        training_slots = np.concatenate([item.student[-1].memory for item in fit if len(item.student[-1].memory)])
+        prepared = narrow(prepared, pca_bottleneck(training_slots, args.memory_dim))
+        projector_line += f"; memory narrowed to {args.memory_dim} dims (PCA of {len(training_slots)} training slots)"
     chats = chat_formats(config, [e.env for e in episodes])
     rng = random.Random(0)
     rows: list[dict] = []
@@ -289,6 +338,8 @@ def main() -> None:
         raise SystemExit("--recall-only: no labyrinth episode has an action that puts a gem or drops an item after "
                          "memory began; raise --labyrinth-episodes or --max-steps")
     by_env = {env: env_summary([r for r in rows if r["env"] == env]) for env in sorted({r["env"] for r in rows})}
+    for env, summary in by_env.items():
+        summary["wire"] = wire_cost([item for item in prepared if item.episode.env == env], args.memory_dim)
     lengths = context_lengths(config, encoder, temporal_filter, args.recent_window, HELDOUT_SEED, args.longest_step)
     longest = lengths[max(lengths, key=int)]
     context_ratio = longest["sao"] / longest["full"]
@@ -310,6 +361,10 @@ def main() -> None:
                       f"{summary['gap_recovered_other_se']:.3f}; NLL zero - aligned {summary['nll_zero_minus_sao']:+.3f} "
                       f"± {summary['nll_zero_minus_sao_se']:.3f}, other - aligned {summary['nll_other_minus_sao']:+.3f} "
                       f"± {summary['nll_other_minus_sao_se']:.3f}")
+        wire = summary["wire"]
+        console.print(f"memory on the wire: {wire['slots']} slots, {wire['steps_per_slot']:.2f} steps and "
+                      f"{wire['tokens_per_slot']:.1f} tokens per slot; slot bytes / their token ids' bytes "
+                      f"{wire['bytes_ratio']:.2f} ({wire['slot_bytes']} / {wire['replaced_token_bytes']})")
         if "gem_named_first" in summary:
             named = ", ".join(f"{c} {m:.2f} ± {e:.2f}" for c, (m, e) in summary["gem_named_first"].items())
             console.print(f"gem deliveries ({summary['gem_deliveries']}): the held gem ranked first among the world's "

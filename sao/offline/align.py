@@ -193,12 +193,12 @@ def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], s
     `reconstruct_batch` examples (0, the default: none), so distillation cannot trade the content
     away for a prompt.
     The LM's parameters are frozen for the duration and restored to their previous
-    `requires_grad` afterwards.
+    `requires_grad` afterwards. With `steps` 0 only the reconstruction runs (no teacher is computed).
     """
-    if any(item.teacher_top is None for item in prepared):
+    if steps and any(item.teacher_top is None for item in prepared):
         attach_teacher(policy, prepared, top_k)
     pairs = memory_steps(prepared)
-    if not pairs:
+    if steps and not pairs:
         raise ValueError("no step of these episodes sees a memory slot: use longer episodes or a smaller "
                          "recent window")
     torch.manual_seed(seed)

@@ -26,6 +26,7 @@ import torch
 
 from sao.offline.align import PreparedEpisode, reconstruction_nll, summarise
 from sao.offline.episodes import step_text
+from sao.policy.chat import token_ids
 from sao.policy.context import StepInput
 from sao.policy.model import MemoryPolicy
 
@@ -35,15 +36,14 @@ MAX_TEXT_TOKENS = 48  # a step's text ends with what the slot must name: the roo
 
 def slot_examples(prepared: Sequence[PreparedEpisode], tokenizer) -> list[StepInput]:
     """One reconstruction example per memory slot of each prepared episode, in order."""
-    encode = lambda text: np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)  # noqa: E731
-    prefix, newline = encode(PREFIX), encode("\n")
+    prefix, newline = token_ids(tokenizer, PREFIX), token_ids(tokenizer, "\n")
     examples = []
     for item in prepared:
         memory = item.trajectory.memory
         vectors = memory.dequantized(len(memory.vectors))
         for vector, (first, _) in zip(vectors, memory.spans):
             step = item.episode.steps[int(first)]
-            text = encode(step_text(step.observation, step.action))[-MAX_TEXT_TOKENS:]
+            text = token_ids(tokenizer, step_text(step.observation, step.action))[-MAX_TEXT_TOKENS:]
             examples.append(StepInput(prefix, vector[None, :], newline, text))
     return examples
 

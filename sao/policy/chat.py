@@ -41,7 +41,7 @@ class ChatFormat:
         return [] if found is None or found == self.tokenizer.unk_token_id else [found]
 
     def _encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        return token_ids(self.tokenizer, text)
 
     def _decode_ids(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -89,6 +89,11 @@ class ChatFormat:
     def action_text(self, ids: np.ndarray) -> str:
         """What the env is shown: the decoded action, cut after its stop string if it has one."""
         return self.stop.cut(self._decode_ids(ids.tolist()))
+
+
+def token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> np.ndarray:
+    """`text` as int32 token ids, with no special tokens added (the chat template writes those)."""
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
 
 
 def user_turn_text(tokenizer: PreTrainedTokenizerBase, ids) -> str:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ def test_memory_fidelity_tiny(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "memory_fidelity.py"), "--model", "tiny",
                "--labyrinth-episodes", "1", "--tutoring-episodes", "1", "--min-steps", "12", "--max-steps", "16",
                "--steps-per-episode", "4", "--align-updates", "2", "--align-episodes", "1", "--longest-step", "100",
-               "--json", str(out)]
+               "--memory-dim", "8", "--json", str(out)]
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True, timeout=1200)
     result = json.loads(out.read_text())
     headline = result["headline"]
@@ -30,6 +31,7 @@ def test_memory_fidelity_tiny(tmp_path):
                                                             nan_ok=True)
     assert headline["ratio"] == headline["value"]
     assert set(result["envs"]) == {"textworld", "arithmetic"}
+    assert "narrowed to 8 dims" in result["projector"]
     for summary in result["envs"].values():
         assert summary["actions"] > 0
         full = summary["full"]
@@ -40,11 +42,51 @@ def test_memory_fidelity_tiny(tmp_path):
         # The zero projector's soft tokens are zero vectors, not absent ones: its NLL differs from truncation's,
         # but the aligned projector must differ from it (it was trained).
         assert summary["sao"]["nll"] != summary["zero"]["nll"]
+        assert summary["wire"]["slot_bytes"] == summary["wire"]["slots"] * (8 + 4)  # --memory-dim 8: 8 codes + a scale
     lengths = result["context_lengths"]
     assert set(lengths) == {"10", "100"}
     assert lengths["100"]["full"] > lengths["10"]["full"]
     assert lengths["100"]["sao"] < lengths["100"]["full"]
     assert result["context_ratio"] == pytest.approx(lengths["100"]["sao"] / lengths["100"]["full"])
+
+
+def _bench():
+    loaded = importlib.util.spec_from_file_location("bench_memory_fidelity", ROOT / "benchmarks" / "memory_fidelity.py")
+    bench = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(bench)
+    return bench
+
+
+def test_wire_cost_counts_slots_against_the_token_ids_of_the_steps_they_span(tiny_config, encoder):
+    """A higher keep threshold keeps fewer, coarser slots: fewer slot bytes for the same steps' text."""
+    from sao.compression.temporal import load_temporal_filter
+    from sao.offline.align import labyrinth_corpus, prepare
+
+    episodes = labyrinth_corpus(0, 1, max_steps=24, random_every=1)
+    costs = {}
+    for threshold in (None, 0.4):
+        item = prepare(episodes, tiny_config, encoder, load_temporal_filter(threshold=threshold), recent_window=1)[0]
+        costs[threshold] = cost = _bench().wire_cost([item])
+        memory, steps = item.trajectory.memory, item.trajectory.steps
+        assert cost["slots"] == len(memory.scales) > 0
+        assert cost["slot_bytes"] == len(memory.scales) * (memory.vectors.shape[1] + 4)
+        first, last = memory.spans[0][0], memory.spans[-1][1]  # spans tile the steps memory stands for
+        tokens = sum(len(s.observation_ids) + len(s.action_ids) for s in steps[first:last + 1])
+        assert cost["replaced_token_bytes"] == 4 * tokens
+        assert cost["bytes_ratio"] == pytest.approx(cost["slot_bytes"] / (4 * tokens))
+        assert np.array_equal(item.student[-1].memory, memory.dequantized(len(memory.vectors)))  # the donors' rows
+        assert _bench().wire_cost([item], slot_dim=16)["slot_bytes"] == len(memory.scales) * (16 + 4)
+    assert costs[0.4]["slots"] < costs[None]["slots"]
+    assert costs[0.4]["steps_per_slot"] > costs[None]["steps_per_slot"]
+    assert costs[0.4]["bytes_ratio"] < costs[None]["bytes_ratio"]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [("--keep-threshold", "5", "compression.keep_threshold"),
+                                                         ("--memory-dim", "0", "--memory-dim")])
+def test_bad_memory_settings_are_refused_naming_them(flag, value, message):
+    command = [sys.executable, str(ROOT / "benchmarks" / "memory_fidelity.py"), "--model", "tiny", flag, value]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and message in done.stderr
 
 
 def test_gem_choice_asks_whether_the_held_gem_is_named_first(chat):
@@ -59,9 +101,7 @@ def test_gem_choice_asks_whether_the_held_gem_is_named_first(chat):
     steps = [EpisodeStep("You see the altar.", f"put {gems[1]} on altar", 0.0, False),
              EpisodeStep("Fine.", "go north", 0.0, False)]
     item = SimpleNamespace(episode=Episode("textworld", "t", steps, "test", {"spec": spec}))
-    loaded = importlib.util.spec_from_file_location("bench_memory_fidelity", ROOT / "benchmarks" / "memory_fidelity.py")
-    bench = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(bench)
+    bench = _bench()
 
     assert bench.gem_choice(item, 1, chat) is None  # not a delivery
     position, held, candidates = bench.gem_choice(item, 0, chat)
