@@ -313,8 +313,15 @@ def _memory_hog(child_mb: int) -> str:
             alive -= {{pid for pid in alive if os.waitpid(pid, os.WNOHANG)[0]}}
             if select.select([report_read], [], [], 0.05)[0]:
                 reports += os.read(report_read, 8)
-        holding = [pid for pid in alive if os.waitpid(pid, os.WNOHANG)[0] == 0]
-        print(len(children), reports.count(b"+"), len(holding))
+        # A child the OOM killer picked may still be exiting (slow on a busy machine): count the ones alive once
+        # none has died for half a second.
+        settled = time.monotonic() + 0.5
+        while time.monotonic() < min(settled, deadline + 2):
+            died = {{pid for pid in alive if os.waitpid(pid, os.WNOHANG)[0]}}
+            alive -= died
+            settled = time.monotonic() + 0.5 if died else settled
+            time.sleep(0.02)
+        print(len(children), reports.count(b"+"), len(alive))
     """
 
 
