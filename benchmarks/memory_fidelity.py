@@ -211,8 +211,10 @@ def wire_cost(prepared, slot_dim: int | None = None) -> dict:
             "replaced_token_bytes": 4 * tokens, "bytes_ratio": slot_bytes / (4 * tokens) if tokens else math.nan}
 
 
-def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: int, longest: int) -> dict:
-    """Tokens + soft tokens the policy reads at steps 10, 100, 1000 (up to `longest`) of one labyrinth episode."""
+def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: int, longest: int,
+                    slot_dim: int | None = None) -> dict:
+    """Tokens + soft tokens the policy reads at steps 10, 100, 1000 (up to `longest`) of one labyrinth episode
+    (slots of `slot_dim` INT8 codes on the wire; default the encoder's width)."""
     from sao.offline.align import full_text_input, labyrinth_corpus, prepare
 
     # The random agent almost never finishes, so its episode runs to max_steps.
@@ -231,7 +233,8 @@ def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: 
                               "tokens_per_slot": replaced / slots if slots else math.nan,
                               # On the wire: an INT8 slot (dim bytes + a float32 scale) vs the int32 token
                               # ids it stands for (what a trajectory would carry without memory).
-                              "slot_bytes": slots * (x.memory.shape[1] + 4), "replaced_token_bytes": replaced * 4}
+                              "slot_bytes": slots * ((slot_dim or x.memory.shape[1]) + 4),
+                              "replaced_token_bytes": replaced * 4}
     return lengths
 
 
@@ -340,7 +343,8 @@ def main() -> None:
     by_env = {env: env_summary([r for r in rows if r["env"] == env]) for env in sorted({r["env"] for r in rows})}
     for env, summary in by_env.items():
         summary["wire"] = wire_cost([item for item in prepared if item.episode.env == env], args.memory_dim)
-    lengths = context_lengths(config, encoder, temporal_filter, args.recent_window, HELDOUT_SEED, args.longest_step)
+    lengths = context_lengths(config, encoder, temporal_filter, args.recent_window, HELDOUT_SEED, args.longest_step,
+                              args.memory_dim)
     longest = lengths[max(lengths, key=int)]
     context_ratio = longest["sao"] / longest["full"]
     lab = by_env.get("textworld") or next(iter(by_env.values()))

@@ -47,6 +47,7 @@ def test_memory_fidelity_tiny(tmp_path):
     assert set(lengths) == {"10", "100"}
     assert lengths["100"]["full"] > lengths["10"]["full"]
     assert lengths["100"]["sao"] < lengths["100"]["full"]
+    assert lengths["100"]["slot_bytes"] == lengths["100"]["soft_tokens"] * (8 + 4)
     assert result["context_ratio"] == pytest.approx(lengths["100"]["sao"] / lengths["100"]["full"])
 
 
