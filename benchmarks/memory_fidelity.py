@@ -303,7 +303,7 @@ def main() -> None:
     try:
         config = load_config(overrides=overrides, environ={})
     except ConfigError as err:
-        raise SystemExit(f"--keep-threshold: {err}") from err
+        raise SystemExit(str(err)) from err  # names the config field (compression.keep_threshold, policy.model)
     encoder = load_encoder(config.compression.encoder)
     if args.memory_dim is not None and not 1 <= args.memory_dim <= encoder.dim:
         raise SystemExit(f"--memory-dim must be between 1 and the encoder's width {encoder.dim} (got {args.memory_dim})")
