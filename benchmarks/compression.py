@@ -3,7 +3,8 @@
 One run, on the same recorded trajectories (the noisy scripted expert of sao.envs.textworld,
 run to 100 and to 1,000 steps on the same worlds; --short-steps and --steps change both):
   1. bytes: each step's full context as token ids (naive), the conversation stored once, and
-     sao's trajectory message; each step's context after each compression stage;
+     sao's trajectory message; each step's context after each compression stage (INT8 slots as
+     they travel: in the shipped bottleneck's 64 coordinates unless --bottleneck none);
   2. fidelity: the return kept exactly in memory; a policy probe (predict the expert's next
      command) trained on sao's compressed memory and on the uncompressed history, same probe,
      same data, same budget; relative loss of test accuracy;
@@ -35,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sao.compression.accounting import STAGES, trajectory_bytes, trajectory_context_costs
+from sao.compression.bottleneck import resolve_bottleneck
 from sao.compression.pipeline import OnlineCompressor, compress_batch
 from sao.compression.semantic import load_encoder
 from sao.compression.temporal import load_temporal_filter
@@ -69,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recent-window", type=int, default=1)
     parser.add_argument("--encoder", default="default")
     parser.add_argument("--temporal-weights", default=None, help="default: the weights shipped with sao")
+    parser.add_argument("--bottleneck", default="auto",
+                        help="compression.bottleneck: auto (the basis shipped for the encoder), none, or a basis file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -104,9 +108,9 @@ def record(args: argparse.Namespace) -> tuple[list[Episode], list[Episode]]:
 
 
 # -- 1. bytes -----------------------------------------------------------------------------------
-def size_figures(trajectories: list) -> dict:
+def size_figures(trajectories: list, encoder_dim: int) -> dict:
     wire = [trajectory_bytes(t) for t in trajectories]
-    costs = [trajectory_context_costs(t) for t in trajectories]
+    costs = [trajectory_context_costs(t, encoder_dim) for t in trajectories]
     mean = lambda values: float(np.mean(values))  # noqa: E731
     figures = {key: mean([w[key] for w in wire]) for key in wire[0]}
     figures["steps"] = mean([len(t.steps) for t in trajectories])
@@ -235,7 +239,7 @@ def run_probe(train: list[dict], test: list[dict], arm: str, seed: int, epochs: 
 
 
 def fidelity_figures(episodes, step_embeddings, observation_embeddings, trajectories, window, train_count, seed,
-                     epochs, seeds):
+                     epochs, seeds, bottleneck=None):
     returns_exact = []
     for episode, trajectory in zip(episodes, trajectories):
         # The sent memory's reward sums equal the rewards of the steps its spans cover, and the
@@ -252,7 +256,9 @@ def fidelity_figures(episodes, step_embeddings, observation_embeddings, trajecto
         memory = trajectory.memory
         samples.append({
             "steps": steps, "older": np.array([max(0, t - window) for t in range(len(steps))]),
-            "slots": memory.dequantized(len(memory.vectors)),
+            # Slots in the encoder's space, as the probe reads the history: a bottleneck's coordinates decoded.
+            "slots": (bottleneck.decode if bottleneck is not None else np.asarray)(
+                memory.dequantized(len(memory.vectors))),
             "visible": np.array([s.memory_count for s in trajectory.steps]),
             "observations": observations, "recent": recent,
             "command": np.array([label_index(s.label) for s in episode.steps], np.int64),
@@ -308,7 +314,7 @@ def print_fidelity(fidelity: dict) -> None:
 
 
 # -- 3. throughput ------------------------------------------------------------------------------
-def throughput_figures(encoder, temporal_filter, episode: Episode, online_steps: int) -> dict:
+def throughput_figures(encoder, temporal_filter, episode: Episode, online_steps: int, bottleneck=None) -> dict:
     """Steps/s of the compressor and sentences/s of the bare encoder on one trajectory's texts.
 
     The compressor runs with its embedding cache cleared (it only gains from repeats inside this
@@ -328,7 +334,7 @@ def throughput_figures(encoder, temporal_filter, episode: Episode, online_steps:
             encoder.model.encode([text], convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
 
     def online():
-        compressor = OnlineCompressor(encoder, temporal_filter)
+        compressor = OnlineCompressor(encoder, temporal_filter, bottleneck=bottleneck)
         for text, reward in zip(few, rewards):
             compressor.finish_step(text, reward)
         shares.update(compressor.stats().__dict__)
@@ -338,7 +344,8 @@ def throughput_figures(encoder, temporal_filter, episode: Episode, online_steps:
         "batch": {"steps": len(texts), "unique_texts": len(set(texts)), "encoder_sentences_per_s": rate(
             len(texts), lambda: encoder.model.encode(texts, batch_size=64, convert_to_numpy=True,
                                                      normalize_embeddings=True, show_progress_bar=False)),
-            "compressor_steps_per_s": rate(len(texts), lambda: compress_batch(texts, rewards, encoder, temporal_filter))},
+            "compressor_steps_per_s": rate(len(texts), lambda: compress_batch(texts, rewards, encoder, temporal_filter,
+                                                                               bottleneck=bottleneck))},
         "online": {"steps": len(few), "unique_texts": len(set(few)), "encoder_sentences_per_s": rate(len(few), bare_single),
                    "compressor_steps_per_s": rate(len(few), online)},
     }
@@ -390,6 +397,7 @@ def main() -> None:
     chat = ChatFormat(load_tokenizer("smollm2-135m-instruct", "~/.cache/sao/models"), SYSTEM_PROMPT)
     encoder = load_encoder(args.encoder)
     temporal_filter = load_temporal_filter(args.temporal_weights)
+    bottleneck = resolve_bottleneck(args.bottleneck, encoder.name)
     long_episodes, short_episodes = record(args)
     console.print(f"recorded {len(long_episodes)} x {args.steps:,} and {len(short_episodes)} x {args.short_steps:,}"
                   "-step episodes "
@@ -398,18 +406,21 @@ def main() -> None:
     step_embeddings = [encoder.encode(e.texts()) for e in long_episodes]
     observation_embeddings = [encoder.encode([s.observation for s in e.steps]) for e in long_episodes]
     console.print(f"encoded ({time.perf_counter() - started:.0f} s)")
-    long_trajectories = [replay_episode(e, chat, encoder, temporal_filter, args.recent_window, embeddings=se)[0]
-                         for e, se in zip(long_episodes, step_embeddings)]
+    long_trajectories = [replay_episode(e, chat, encoder, temporal_filter, args.recent_window, embeddings=se,
+                                        bottleneck=bottleneck)[0] for e, se in zip(long_episodes, step_embeddings)]
     # The 100-step runs repeat the 1,000-step ones' first 100 steps (same worlds, same agent seeds).
-    short_trajectories = [replay_episode(e, chat, encoder, temporal_filter, args.recent_window)[0]
+    short_trajectories = [replay_episode(e, chat, encoder, temporal_filter, args.recent_window, bottleneck=bottleneck)[0]
                           for e in short_episodes]
-    sizes = {str(args.short_steps): size_figures(short_trajectories), str(args.steps): size_figures(long_trajectories)}
+    sizes = {str(args.short_steps): size_figures(short_trajectories, encoder.dim),
+             str(args.steps): size_figures(long_trajectories, encoder.dim)}
     print_sizes(sizes)
 
     fidelity = fidelity_figures(long_episodes, step_embeddings, observation_embeddings, long_trajectories,
-                                args.recent_window, args.probe_train, args.seed, args.probe_epochs, args.probe_seeds)
+                                args.recent_window, args.probe_train, args.seed, args.probe_epochs, args.probe_seeds,
+                                bottleneck)
     print_fidelity(fidelity)
-    throughput = throughput_figures(encoder, temporal_filter, long_episodes[0], online_steps=args.online_steps)
+    throughput = throughput_figures(encoder, temporal_filter, long_episodes[0], online_steps=args.online_steps,
+                                    bottleneck=bottleneck)
     print_throughput(throughput)
 
     long = sizes[str(args.steps)]
@@ -432,6 +443,7 @@ def main() -> None:
                   "encoder": encoder.name,
                   "temporal_filter": temporal_filter.meta.get("command", args.temporal_weights),
                   "threshold": temporal_filter.threshold, "recent_window": args.recent_window,
+                  "bottleneck": bottleneck.identity if bottleneck is not None else "none",
                   "tokenizer": "SmolLM2-135M-Instruct", "threads": args.threads, "seed": args.seed,
                   "machine": platform.platform(), "cpu_count": os.cpu_count(),
                   "wall_s": time.perf_counter() - started},

@@ -75,7 +75,7 @@ def command_logprobs(policy, prompt_ids, memory, context_ids, commands: list[np.
 
 
 def play(spec: dict, policy, chat, encoder, temporal_filter, recent_window: int, use_memory: bool,
-         temperature: float, seed: int) -> dict:
+         temperature: float, seed: int, bottleneck=None) -> dict:
     """One episode; its return, solved, gem_taken, rooms_visited, steps and first moves."""
     from sao.compression.pipeline import OnlineCompressor
     from sao.envs.textworld import TextWorldEnv
@@ -86,7 +86,7 @@ def play(spec: dict, policy, chat, encoder, temporal_filter, recent_window: int,
     env = TextWorldEnv()
     text = env.reset(spec)
     prompt_ids, observation_ids, observation_text = chat.prompt(text), chat.first_observation(text), text
-    compressor = OnlineCompressor(encoder, temporal_filter.fork(), recent_window=recent_window)
+    compressor = OnlineCompressor(encoder, temporal_filter.fork(), recent_window=recent_window, bottleneck=bottleneck)
     finished: list[tuple[np.ndarray, np.ndarray]] = []
     rooms, gem_taken, total, moves = {env.state.position}, False, 0.0, []
     while True:
@@ -145,6 +145,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from sao.compression.bottleneck import resolve_bottleneck, slot_width
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.config import load_config
@@ -162,10 +163,11 @@ def main() -> None:
     encoder = load_encoder(config.compression.encoder)
     temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
     chat = chat_formats(config, ["textworld"])["textworld"]
-    policy = build_policy(config.policy, encoder.dim).eval()
+    bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)  # memory as it travels
+    policy = build_policy(config.policy, slot_width(bottleneck, encoder.dim)).eval()
     zero_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
     projector_line = apply_projector_setting(policy.projector, config.policy.projector, config.policy.model,
-                                             config.compression.encoder)
+                                             config.compression.encoder, bottleneck)
     aligned_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
     settings = {"full": (args.max_steps, False, aligned_state), "sao": (args.recent_window, True, aligned_state),
                 "zero": (args.recent_window, True, zero_state), "recent": (args.recent_window, False, aligned_state)}
@@ -178,7 +180,7 @@ def main() -> None:
             policy.projector.load_state_dict(state)
             with torch.no_grad():
                 results[arm].append(play(task.spec, policy, chat, encoder, temporal_filter, window, use_memory,
-                                         config.policy.temperature, seed=index))
+                                         config.policy.temperature, seed=index, bottleneck=bottleneck))
         elapsed = time.perf_counter() - started
         progress.print(f"{index + 1} worlds per arm at {elapsed:.0f} s: " + ", ".join(
             f"{a} return {results[a][-1]['return']:.1f} rooms {results[a][-1]['rooms_visited']:.0f}" for a in arms))

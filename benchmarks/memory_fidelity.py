@@ -84,13 +84,6 @@ def donor_memory(donor, count: int) -> np.ndarray:
     return rows[np.arange(count) % len(rows)] if len(rows) else rows[:0]
 
 
-def narrow(prepared, squeeze):
-    """The prepared episodes with every memory slot a step reads passed through `squeeze`."""
-    from dataclasses import replace
-
-    return [replace(item, student=[replace(x, memory=squeeze(x.memory)) for x in item.student]) for item in prepared]
-
-
 def gem_choice(item, step: int, chat):
     """For a recorded "put <gem> on altar": (position, the recorded gem's token, every gem's token) at the first
     action token where this world's gems differ; None for any other action. Lets a context be judged by whether
@@ -195,14 +188,14 @@ def env_summary(rows: list[dict]) -> dict:
     return out
 
 
-def wire_cost(prepared, slot_dim: int | None = None) -> dict:
-    """What the scored episodes' memory costs on the wire against the text it stands for: INT8 slots (`slot_dim`,
-    default the encoder's, bytes + a float32 scale each) vs the int32 token ids of the steps their spans cover."""
+def wire_cost(prepared) -> dict:
+    """What the scored episodes' memory costs on the wire against the text it stands for: INT8 slots (a byte per
+    number + a float32 scale each) vs the int32 token ids of the steps their spans cover."""
     slots = steps = tokens = slot_bytes = 0
     for item in prepared:
         memory, trajectory = item.trajectory.memory, item.trajectory
         slots += len(memory.scales)
-        slot_bytes += len(memory.scales) * ((slot_dim or memory.vectors.shape[1]) + 4)
+        slot_bytes += len(memory.scales) * (memory.vectors.shape[1] + 4)
         for first, last in memory.spans:
             steps += int(last - first + 1)
             tokens += sum(len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps[first:last + 1])
@@ -212,14 +205,13 @@ def wire_cost(prepared, slot_dim: int | None = None) -> dict:
 
 
 def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: int, longest: int,
-                    slot_dim: int | None = None) -> dict:
-    """Tokens + soft tokens the policy reads at steps 10, 100, 1000 (up to `longest`) of one labyrinth episode
-    (slots of `slot_dim` INT8 codes on the wire; default the encoder's width)."""
+                    bottleneck=None) -> dict:
+    """Tokens + soft tokens the policy reads at steps 10, 100, 1000 (up to `longest`) of one labyrinth episode."""
     from sao.offline.align import full_text_input, labyrinth_corpus, prepare
 
     # The random agent almost never finishes, so its episode runs to max_steps.
     episode = labyrinth_corpus(seed, 1, max_steps=longest + 1, random_every=1)[0]
-    item = prepare([episode], config, encoder, temporal_filter, recent_window)[0]
+    item = prepare([episode], config, encoder, temporal_filter, recent_window, bottleneck)[0]
     lengths = {}
     for step in LENGTH_STEPS:
         if step > longest or step >= len(item.student):
@@ -233,17 +225,18 @@ def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: 
                               "tokens_per_slot": replaced / slots if slots else math.nan,
                               # On the wire: an INT8 slot (dim bytes + a float32 scale) vs the int32 token
                               # ids it stands for (what a trajectory would carry without memory).
-                              "slot_bytes": slots * ((slot_dim or x.memory.shape[1]) + 4),
+                              "slot_bytes": slots * (x.memory.shape[1] + 4),
                               "replaced_token_bytes": replaced * 4}
     return lengths
 
 
-def load_aligned(policy, config, encoder, args, rng_seed: int) -> str:
+def load_aligned(policy, config, encoder, bottleneck, args, rng_seed: int) -> str:
     """Put the aligned projector in `policy`: a file, the shipped one, or aligned here (--align-updates)."""
     from sao.policy.projector import apply_projector_setting
 
     if args.align_updates == 0:
-        line = apply_projector_setting(policy.projector, args.projector, config.policy.model, config.compression.encoder)
+        line = apply_projector_setting(policy.projector, args.projector, config.policy.model, config.compression.encoder,
+                                       bottleneck)
         if "aligned" not in line:
             raise SystemExit(f"{line}\nno aligned projector: run `sao compression align` or pass --align-updates N")
         return line
@@ -252,9 +245,20 @@ def load_aligned(policy, config, encoder, args, rng_seed: int) -> str:
 
     temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
     corpus = labyrinth_corpus(rng_seed, args.align_episodes, args.max_steps) + tutoring_corpus(rng_seed, args.align_episodes)
-    train = prepare(corpus, config, encoder, temporal_filter, args.recent_window)
+    train = prepare(corpus, config, encoder, temporal_filter, args.recent_window, bottleneck)
     align_projector(policy, train, args.align_updates, args.align_lr, batch_size=4, seed=rng_seed)
     return f"memory projector: aligned here ({args.align_updates} updates on {len(corpus)} episodes, seed {rng_seed})"
+
+
+def fit_here(config, encoder, temporal_filter, args):
+    """--memory-dim: a basis fitted on the slots of seed-0 episodes (never the scored ones)."""
+    from sao.compression.bottleneck import fit_bottleneck
+    from sao.offline.align import labyrinth_corpus, prepare, tutoring_corpus
+
+    fit = prepare(labyrinth_corpus(0, args.align_episodes, args.max_steps) + tutoring_corpus(0, args.align_episodes),
+                  config, encoder, temporal_filter, args.recent_window)
+    training_slots = np.concatenate([item.student[-1].memory for item in fit if len(item.student[-1].memory)])
+    return fit_bottleneck(training_slots, args.memory_dim, encoder.name)
 
 
 def main() -> None:
@@ -270,9 +274,12 @@ def main() -> None:
     parser.add_argument("--keep-threshold", type=float, default=None,
                         help="compression.keep_threshold: higher keeps fewer, coarser slots (fewer bytes); "
                              "default: the temporal weights' calibrated value")
+    parser.add_argument("--bottleneck", default=None,
+                        help="compression.bottleneck: auto (the shipped basis: how memory travels by default), none "
+                             "(the encoder's full width) or a basis file; default: the config's")
     parser.add_argument("--memory-dim", type=int, default=None,
-                        help="narrower slots: INT8 coordinates in this many principal directions of training slots "
-                             "(--align-episodes per env, seed 0) instead of the encoder's full width")
+                        help="instead of --bottleneck, a basis fitted here: INT8 coordinates in this many principal "
+                             "directions of training slots (--align-episodes per env, seed 0)")
     parser.add_argument("--recall-only", action="store_true",
                         help="labyrinth: score only actions whose object only the past names (put a gem, drop)")
     parser.add_argument("--batch", type=int, default=4, help="contexts per forward pass")
@@ -288,6 +295,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from sao.compression.bottleneck import BottleneckMismatch, describe, resolve_bottleneck, slot_width
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.config import ConfigError, load_config
@@ -300,6 +308,8 @@ def main() -> None:
     overrides = [f'policy.model="{args.model}"']
     if args.keep_threshold is not None:  # validated by the config, which names the field on a bad value
         overrides.append(f"compression.keep_threshold={args.keep_threshold}")
+    if args.bottleneck is not None:
+        overrides.append(f"compression.bottleneck={json.dumps(args.bottleneck)}")
     try:
         config = load_config(overrides=overrides, environ={})
     except ConfigError as err:
@@ -308,22 +318,20 @@ def main() -> None:
     if args.memory_dim is not None and not 1 <= args.memory_dim <= encoder.dim:
         raise SystemExit(f"--memory-dim must be between 1 and the encoder's width {encoder.dim} (got {args.memory_dim})")
     temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
-    policy = build_policy(config.policy, encoder.dim).eval()
+    try:
+        bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)
+    except BottleneckMismatch as err:
+        raise SystemExit(str(err)) from err
+    if args.memory_dim is not None:
+        bottleneck = fit_here(config, encoder, temporal_filter, args)
+    policy = build_policy(config.policy, slot_width(bottleneck, encoder.dim)).eval()
     zero_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
-    projector_line = load_aligned(policy, config, encoder, args, rng_seed=0)
+    projector_line = load_aligned(policy, config, encoder, bottleneck, args, rng_seed=0)
+    projector_line += f"\n{describe(bottleneck, encoder.dim)}"
     aligned_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
     episodes = (long_labyrinth(HELDOUT_SEED, args.labyrinth_episodes, args.min_steps, args.max_steps)
                 + tutoring_corpus(HELDOUT_SEED, args.tutoring_episodes))
-    prepared = prepare(episodes, config, encoder, temporal_filter, args.recent_window)
-    if args.memory_dim is not None:
-        from sao.compression.bottleneck import pca_bottleneck
-        from sao.offline.align import labyrinth_corpus
-
-        fit = prepare(labyrinth_corpus(0, args.align_episodes, args.max_steps) + tutoring_corpus(0, args.align_episodes),
-                      config, encoder, temporal_filter, args.recent_window)
-        training_slots = np.concatenate([item.student[-1].memory for item in fit if len(item.student[-1].memory)])
-        prepared = narrow(prepared, pca_bottleneck(training_slots, args.memory_dim))
-        projector_line += f"; memory narrowed to {args.memory_dim} dims (PCA of {len(training_slots)} training slots)"
+    prepared = prepare(episodes, config, encoder, temporal_filter, args.recent_window, bottleneck)
     chats = chat_formats(config, [e.env for e in episodes])
     rng = random.Random(0)
     rows: list[dict] = []
@@ -342,9 +350,9 @@ def main() -> None:
                          "memory began; raise --labyrinth-episodes or --max-steps")
     by_env = {env: env_summary([r for r in rows if r["env"] == env]) for env in sorted({r["env"] for r in rows})}
     for env, summary in by_env.items():
-        summary["wire"] = wire_cost([item for item in prepared if item.episode.env == env], args.memory_dim)
+        summary["wire"] = wire_cost([item for item in prepared if item.episode.env == env])
     lengths = context_lengths(config, encoder, temporal_filter, args.recent_window, HELDOUT_SEED, args.longest_step,
-                              args.memory_dim)
+                              bottleneck)
     longest = lengths[max(lengths, key=int)]
     context_ratio = longest["sao"] / longest["full"]
     lab = by_env.get("textworld") or next(iter(by_env.values()))

@@ -4,8 +4,9 @@
 
 Memory slots of scripted episodes (training: seed 0; held out: seed 1) are squeezed to each width:
 INT8 coordinates in the top principal directions of the training slots (`sao.compression.bottleneck`,
-as `memory_fidelity.py --memory-dim`). From the shipped aligned projector, `--updates` reconstruction
-updates teach the soft token to say its step (the frozen LM rewrites the step's text from
+as `memory_fidelity.py --memory-dim`, mapped back to the encoder's space). From the shipped aligned
+projector, `--updates` reconstruction updates teach the soft token to say its step (the frozen LM
+rewrites the step's text from
 `"Earlier step:" | slot` alone), then the content check scores each held-out step's text under its
 own slot vs another step's (`sao.offline.reconstruction.content_nll`): other - own, nats per token,
 with n and its standard error. A slot costs width + 4 bytes on the wire. The encoder's full width is
@@ -31,7 +32,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="policy.model (tiny for a quick check)")
-    parser.add_argument("--widths", type=int, nargs="+", default=[384, 64, 16], help="slot widths to measure")
+    parser.add_argument("--widths", type=int, nargs="+", default=[384, 64, 16],
+                        help="slot widths to measure, each with a basis fitted here on the training slots")
+    parser.add_argument("--shipped", action="store_true",
+                        help="also measure the basis shipped for the encoder (compression.bottleneck = auto)")
     parser.add_argument("--updates", type=int, default=100, help="reconstruction updates per width")
     parser.add_argument("--batch", type=int, default=12, help="slots per reconstruction update")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate of the projector")
@@ -46,7 +50,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from sao.compression.bottleneck import pca_bottleneck
+    from sao.compression.bottleneck import fit_bottleneck, resolve_bottleneck, variance_kept
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.config import load_config
@@ -78,27 +82,35 @@ def main() -> None:
     console = Console()
     console.print(f"{projector_line}\n{len(train_slots)} training slots, {len(held_slots)} held-out slots")
     rows = []
-    for width in args.widths:
-        squeeze = (lambda m: m) if width == encoder.dim else pca_bottleneck(fit, width)
+    bases = [(None if width == encoder.dim else fit_bottleneck(fit, width, encoder.name), "fitted here")
+             for width in args.widths]
+    if args.shipped:
+        shipped = resolve_bottleneck("auto", encoder.name)
+        if shipped is None:
+            raise SystemExit(f"--shipped: no basis ships for encoder {encoder.name!r}")
+        bases.append((shipped, f"shipped {shipped.identity}"))
+    for bottleneck, basis in bases:
+        width = bottleneck.width if bottleneck is not None else encoder.dim
+        squeeze = bottleneck.squeeze if bottleneck is not None else (lambda m: m)
         train = [replace(x, memory=squeeze(x.memory)) for x in train_slots]
         held = [replace(x, memory=squeeze(x.memory)) for x in held_slots]
-        original = np.concatenate([x.memory for x in held_slots]).astype(np.float64)
-        squeezed = np.concatenate([x.memory for x in held]).astype(np.float64)
-        kept = 1 - ((original - squeezed) ** 2).sum() / ((original - original.mean(0)) ** 2).sum()
+        original = np.concatenate([x.memory for x in held_slots])
+        kept = variance_kept(bottleneck, original) if bottleneck is not None else 1.0
         policy.projector.load_state_dict(start_state)
         align_projector(policy, [], steps=0, lr=args.lr, seed=0, reconstruction=train,
                         reconstruct_updates=args.updates, reconstruct_batch=args.batch)
         content = content_nll(policy, held)
-        rows.append({"width": width, "slot_bytes": width + 4, "held_out_variance_kept": float(kept), **content})
-        console.print(f"width {width}: other - own {content['other_minus_own']:+.3f} ± "
+        rows.append({"width": width, "basis": basis if bottleneck is not None else "none (full width)",
+                     "slot_bytes": width + 4, "held_out_variance_kept": float(kept), **content})
+        console.print(f"width {width} ({rows[-1]['basis']}): other - own {content['other_minus_own']:+.3f} ± "
                       f"{content['other_minus_own_stderr']:.3f} ({time.perf_counter() - started:.0f} s)")
     table = Table(title=f"content check after {args.updates} reconstruction updates per width "
                         f"(held-out slots, n {len(held_slots)}; nats per token)")
-    for column in ("width", "bytes / slot", "held-out variance kept", "own slot", "another step's slot",
+    for column in ("width", "basis", "bytes / slot", "held-out variance kept", "own slot", "another step's slot",
                    "other - own"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(str(r["width"]), str(r["slot_bytes"]), f"{r['held_out_variance_kept']:.3f}", f"{r['own']:.3f}",
+        table.add_row(str(r["width"]), r["basis"], str(r["slot_bytes"]), f"{r['held_out_variance_kept']:.3f}", f"{r['own']:.3f}",
                       f"{r['other']:.3f}", f"{r['other_minus_own']:+.3f} ± {r['other_minus_own_stderr']:.3f}")
     console.print(table)
     full = next((r for r in rows if r["width"] == encoder.dim), None)

@@ -30,17 +30,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def _roller(model: str, seed: int, overrides: list[str]):
     import torch
 
-    from sao.compression.semantic import load_encoder
-    from sao.compression.temporal import load_temporal_filter
     from sao.config import load_config
-    from sao.policy.weights import build_policy, place_for_sampling
     from sao.sampler.rollout import Roller
 
     torch.set_num_threads(1)
     config = load_config(overrides=[f'policy.model="{model}"', *overrides], environ={})
-    encoder = load_encoder(config.compression.encoder)
-    policy = place_for_sampling(build_policy(config.policy, encoder.dim), config.sampler.device)
-    return Roller(config, policy, encoder, load_temporal_filter(), f"bench-{seed}", seed=seed), config
+    return Roller.from_config(config, f"bench-{seed}", seed=seed), config
 
 
 def continuous(roller, tasks, batch: int) -> list:

@@ -155,6 +155,12 @@ class CompressionConfig(Section):
     keep_threshold: float | None = Field(
         None, ge=0, le=2,
         description="Keep a step whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
+    bottleneck: str = Field(
+        "auto", min_length=1,
+        description="How wide a memory slot travels: `auto` = INT8 coordinates in the basis shipped for the encoder "
+                    "(64 principal directions of training embeddings for the default: 68 B a slot instead of 388), "
+                    "or the full width where none ships; `none` = the encoder's full width; else a basis file "
+                    "written by `sao compression bottleneck`. Samplers and trainer must agree (trajectories name it).")
     recent_window: int = Field(
         1, ge=0, description="Latest finished steps given in full text rather than as memory; only older steps "
                              "become memory. At >= 1 a retry sees its own last answer and the feedback as a "

@@ -333,6 +333,9 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     compression: dict[str, float] = field(default_factory=dict)
     top_p: float = 1.0  # nucleus the behaviour log-probs were truncated to (1 = none); absent on the wire = 1
+    # The basis memory vectors are coordinates in (sao.compression.bottleneck identity); "" = the encoder's
+    # full width. Absent on the wire = "".
+    memory_basis: str = ""
     # Set by `decode`: the message's token-id and log-prob buffers that the steps view, so that a check over every
     # id or log-prob needs no concatenation. Not an init field, so `dataclasses.replace` (new steps) drops it.
     _step_buffers: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
@@ -368,7 +371,7 @@ class Trajectory:
             "steps": _steps_to_wire(self.steps), "memory": self.memory.to_wire(),
             "temperature": float(self.temperature), "encoder": self.encoder, "recent_window": self.recent_window,
             "created_at": self.created_at, "timings": dict(self.timings), "compression": dict(self.compression),
-            "top_p": float(self.top_p),
+            "top_p": float(self.top_p), "memory_basis": self.memory_basis,
         }
 
     @classmethod
@@ -383,6 +386,7 @@ class Trajectory:
         _require(temperature > 0, "temperature", "must be > 0")
         top_p = float(_get(obj, "top_p", (int, float))) if "top_p" in obj else 1.0
         _require(0 < top_p <= 1, "top_p", "must be in (0, 1]")
+        memory_basis = _get(obj, "memory_basis", str) if "memory_basis" in obj else ""
         version = _get(obj, "behaviour_version", int)
         _require(version >= 0, "behaviour_version", "must be >= 0")
         trajectory = cls(
@@ -392,6 +396,7 @@ class Trajectory:
             memory=memory, temperature=temperature, encoder=_get(obj, "encoder", str),
             recent_window=_get(obj, "recent_window", int), created_at=float(_get(obj, "created_at", (int, float))),
             timings=dict(_get(obj, "timings", dict)), compression=dict(_get(obj, "compression", dict)), top_p=top_p,
+            memory_basis=memory_basis,
         )
         object.__setattr__(trajectory, "_step_buffers", (token_ids, logprobs))
         return trajectory

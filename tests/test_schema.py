@@ -155,6 +155,14 @@ def test_a_task_policy_version_is_optional_and_validated():
         assert err.value.field == "policy_version"
 
 
+def test_the_memory_basis_is_optional_on_the_wire_and_must_be_a_string():
+    assert decode(_mutate(lambda o: o.pop("memory_basis")), Trajectory).memory_basis == ""
+    assert decode(_mutate(lambda o: o.update(memory_basis="enc/pca64/abc")), Trajectory).memory_basis == "enc/pca64/abc"
+    with pytest.raises(SchemaError) as err:
+        decode(_mutate(lambda o: o.update(memory_basis=64)), Trajectory)
+    assert (err.value.reason, err.value.field) == ("invalid-field", "memory_basis")
+
+
 def test_top_p_is_optional_on_the_wire():
     assert decode(_mutate(lambda o: o.pop("top_p")), Trajectory).top_p == 1.0
     assert decode(_mutate(lambda o: o.update(top_p=0.9)), Trajectory).top_p == 0.9

@@ -30,7 +30,7 @@ class ContextCost:
 
 
 def context_costs(prompt_tokens: int, step_tokens: Sequence[int], visible_slots: Sequence[int], dim: int,
-                  recent_window: int) -> dict[str, ContextCost]:
+                  recent_window: int, slot_width: int | None = None) -> dict[str, ContextCost]:
     """Per-step contexts summed over the trajectory, after each compression stage.
 
     `step_tokens[t]` is step t's observation + action token count and `visible_slots[t]` the
@@ -40,8 +40,10 @@ def context_costs(prompt_tokens: int, step_tokens: Sequence[int], visible_slots:
       naive     their tokens;
       semantic  one float32 sentence embedding each;
       temporal  one float32 embedding per kept slot;
-      int8      one int8 vector + float32 scale per kept slot: what sao's policy reads.
+      int8      one int8 vector (`slot_width` codes: the bottleneck's, default the encoder's `dim`) + float32
+                scale per kept slot: what sao's policy reads.
     """
+    slot_width = dim if slot_width is None else slot_width
     if len(step_tokens) != len(visible_slots):
         raise ValueError(f"{len(step_tokens)} step token counts but {len(visible_slots)} slot counts")
     totals = {stage: [0, 0] for stage in STAGES}
@@ -53,7 +55,7 @@ def context_costs(prompt_tokens: int, step_tokens: Sequence[int], visible_slots:
         recent = sum(step_tokens[older_steps:t])
         text = prompt_tokens + recent + current  # always in full
         for stage, vectors, vector_bytes in (("semantic", older_steps, 4 * dim), ("temporal", slots, 4 * dim),
-                                             ("int8", slots, dim + 4)):
+                                             ("int8", slots, slot_width + 4)):
             totals[stage][0] += text + vectors
             totals[stage][1] += text * TOKEN_BYTES + vectors * vector_bytes
         totals["naive"][0] += text + older_tokens
@@ -61,14 +63,17 @@ def context_costs(prompt_tokens: int, step_tokens: Sequence[int], visible_slots:
     return {stage: ContextCost(*totals[stage]) for stage in STAGES}
 
 
-def trajectory_context_costs(trajectory: Trajectory) -> dict[str, ContextCost]:
-    """`context_costs` of a trajectory as the sampler sent it."""
+def trajectory_context_costs(trajectory: Trajectory, encoder_dim: int | None = None) -> dict[str, ContextCost]:
+    """`context_costs` of a trajectory as the sampler sent it. Its memory's width is the int8 stage's; the
+    embeddings before it are `encoder_dim` wide (default: the same, right when no bottleneck narrowed them)."""
+    width = trajectory.memory.vectors.shape[1]
     return context_costs(
         len(trajectory.prompt_ids),
         [len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps],
         [s.memory_count for s in trajectory.steps],
-        trajectory.memory.vectors.shape[1],
+        encoder_dim or width,
         trajectory.recent_window,
+        slot_width=width,
     )
 
 

@@ -1,8 +1,9 @@
 """The trajectory compressor: online in the sampler (one step at a time) and its batch twin.
 
-Memory is a table of slots. A kept step creates a slot holding its INT8 embedding; a redundant
-step merges into the latest slot, which only extends that slot's span and reward sum. A slot's
-vector never changes, so a context built from the memory earlier stays reproducible.
+Memory is a table of slots. A kept step creates a slot holding its INT8 embedding (with a bottleneck: its
+INT8 coordinates in the bottleneck's basis); a redundant step merges into the latest slot, which only
+extends that slot's span and reward sum. A slot's vector never changes, so a context built from the
+memory earlier stays reproducible.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sao.compression.bottleneck import Bottleneck
 from sao.compression.quantize import dequantize_int8, quantize_int8
 from sao.compression.temporal import Decision, TemporalFilter
 
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 class MemoryTable:
     """Snapshot of a trajectory's memory: one row per slot, K slots."""
 
-    vectors: np.ndarray  # int8 [K, dim]
+    vectors: np.ndarray  # int8 [K, width]: the encoder's dim, or the bottleneck's width
     scales: np.ndarray  # float32 [K], per-vector absmax / 127
     spans: np.ndarray  # int32 [K, 2], first and last original step the slot stands for
     reward_sums: np.ndarray  # float32 [K], rewards of every step in the span
@@ -46,7 +48,7 @@ class CompressionStats:
     kept_slots: int
     merged_steps: int
     fp32_bytes: int  # every step's embedding in float32, i.e. without stages 2 and 3
-    int8_bytes: int  # kept vectors in int8 plus one float32 scale each
+    int8_bytes: int  # kept vectors in int8 (narrowed by the bottleneck, if any) plus one float32 scale each
     encode_seconds: float
     filter_seconds: float
     quantize_seconds: float
@@ -70,10 +72,13 @@ def visible_slots_at(created_at_step: Sequence[int], step: int, recent_window: i
 class _SlotTable:
     """The slot bookkeeping both paths share, so they cannot drift apart."""
 
-    def __init__(self, dim: int, recent_window: int):
+    def __init__(self, dim: int, recent_window: int, bottleneck: Bottleneck | None = None):
         if recent_window < 0:
             raise ValueError(f"recent_window must be >= 0, got {recent_window}")
-        self.dim, self.recent_window = dim, recent_window
+        if bottleneck is not None and bottleneck.dim != dim:
+            raise ValueError(f"the bottleneck reads {bottleneck.dim}-d embeddings but the encoder gives {dim}-d")
+        self.bottleneck, self.recent_window = bottleneck, recent_window
+        self.dim = bottleneck.width if bottleneck is not None else dim  # the width slots are stored in
         self.steps = 0
         self.vectors: list[np.ndarray] = []
         self.scales: list[float] = []
@@ -87,7 +92,8 @@ class _SlotTable:
     def add(self, embedding: np.ndarray, reward: float, decision: Decision) -> None:
         step = self.steps
         if decision.keep:
-            codes, scales = quantize_int8(embedding[None, :])
+            vector = embedding[None, :] if self.bottleneck is None else self.bottleneck.encode(embedding[None, :])
+            codes, scales = quantize_int8(vector)
             self.vectors.append(codes[0])
             self.scales.append(float(scales[0]))
             self.spans.append([step, step])
@@ -137,10 +143,10 @@ class OnlineCompressor:
     """
 
     def __init__(self, encoder: SemanticEncoder, temporal_filter: TemporalFilter,
-                 recent_window: int = 1):
+                 recent_window: int = 1, bottleneck: Bottleneck | None = None):
         _check_compatible(encoder, temporal_filter)
         self.encoder, self.temporal_filter = encoder, temporal_filter
-        self._slots = _SlotTable(encoder.dim, recent_window)
+        self._slots = _SlotTable(encoder.dim, recent_window, bottleneck)
         self._seconds = {"encode": 0.0, "filter": 0.0, "quantize": 0.0}
         temporal_filter.start()
 
@@ -166,17 +172,17 @@ class OnlineCompressor:
         return self._slots.table()
 
     def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
-        """float32 [k, dim] vectors of the given slots, as the policy consumes them."""
+        """float32 [k, width] vectors of the given slots, as the policy consumes them."""
         return self._slots.dequantized(slot_indices)
 
     def stats(self) -> CompressionStats:
-        slots, dim = self._slots, self.encoder.dim
+        slots = self._slots
         return CompressionStats(
             steps=slots.steps,
             kept_slots=len(slots.scales),
             merged_steps=slots.steps - len(slots.scales),
-            fp32_bytes=slots.steps * dim * 4,
-            int8_bytes=len(slots.scales) * (dim + 4),
+            fp32_bytes=slots.steps * self.encoder.dim * 4,
+            int8_bytes=len(slots.scales) * (slots.dim + 4),
             encode_seconds=self._seconds["encode"],
             filter_seconds=self._seconds["filter"],
             quantize_seconds=self._seconds["quantize"],
@@ -190,6 +196,7 @@ def compress_batch(
     temporal_filter: TemporalFilter,
     recent_window: int = 1,
     embeddings: np.ndarray | None = None,
+    bottleneck: Bottleneck | None = None,
 ) -> tuple[MemoryTable, list[list[int]], list[Decision]]:
     """Compress a finished trajectory at once; equals running OnlineCompressor step by step.
 
@@ -204,7 +211,7 @@ def compress_batch(
     elif embeddings.shape != (len(texts), encoder.dim):
         raise ValueError(f"embeddings {embeddings.shape} do not match {len(texts)} texts of {encoder.dim} dims")
     decisions = temporal_filter.filter_batch(embeddings, rewards)
-    slots = _SlotTable(encoder.dim, recent_window)
+    slots = _SlotTable(encoder.dim, recent_window, bottleneck)
     visible: list[list[int]] = []
     for embedding, reward, decision in zip(embeddings, rewards, decisions):
         visible.append(slots.visible())

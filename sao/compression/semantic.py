@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -18,6 +19,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "default"
 # The name recorded in weight files; the packaged copy is the public all-MiniLM-L6-v2.
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+def encoder_name(model: str) -> str:
+    """The name an encoder setting is recorded under (what `SemanticEncoder.name` reports), without loading it."""
+    return DEFAULT_MODEL_NAME if model == DEFAULT_MODEL else model
+
+
+def file_slug(name: str) -> str:
+    """A model name as a file-name part: lower case, runs of anything but [a-z0-9.] as one dash."""
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
 
 
 def _resolve(model: str) -> tuple[str, str]:

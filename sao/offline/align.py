@@ -59,13 +59,16 @@ def chat_formats(config: SaoConfig, envs: Sequence[str]) -> dict[str, ChatFormat
 
 
 def prepare(episodes: Sequence[Episode], config: SaoConfig, encoder, temporal_filter,
-            recent_window: int) -> list[PreparedEpisode]:
-    """Replay each episode through the compressor (exactly the sampler's memory) into student inputs."""
+            recent_window: int, bottleneck=None) -> list[PreparedEpisode]:
+    """Replay each episode through the compressor (exactly the sampler's memory) into student inputs.
+
+    Alignment leaves `bottleneck` unset: projectors are aligned in the encoder's space (the policy composes them
+    with a bottleneck at load); benchmarks pass one to read memory as it travels."""
     chats = chat_formats(config, [e.env for e in episodes])
     prepared = []
     for episode in episodes:
         trajectory, _ = replay_episode(episode, chats[episode.env], encoder, temporal_filter.fork(),
-                                       recent_window=recent_window)
+                                       recent_window=recent_window, bottleneck=bottleneck)
         prepared.append(PreparedEpisode(episode, trajectory, training_inputs(trajectory)))
     return prepared
 

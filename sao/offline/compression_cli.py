@@ -1,4 +1,4 @@
-"""`sao compression …`: record scripted episodes, train the temporal filter, inspect its decisions.
+"""`sao compression …`: record scripted episodes, train the temporal filter, fit the memory basis, align the projector, inspect.
 
 Episodes come from a file (JSONL episodes, or length-prefixed trajectory messages: see
 sao/offline/episodes.py), from the trajectories topic (`--bootstrap-servers`), or are
@@ -22,7 +22,8 @@ from sao.config import ConfigError, SaoConfig, load_config
 if TYPE_CHECKING:  # imported where used: `sao` loads this module for every command, and episodes pulls torch
     from sao.offline.episodes import Episode
 
-compression_app = typer.Typer(help="The context compressor: record episodes, train the temporal filter, inspect it.",
+compression_app = typer.Typer(help="The context compressor: record episodes, train the temporal filter, fit the memory "
+                              "basis, align the projector, inspect.",
                               no_args_is_help=True)
 console = Console(stderr=True)
 logger = logging.getLogger(__name__)
@@ -179,6 +180,55 @@ def train(out: OutOpt,
 
 
 @compression_app.command()
+def bottleneck(width: Annotated[int, typer.Option(min=1, help="Directions kept: bytes a slot costs, less 4.")] = 64,
+               seed: SeedOpt = 0,
+               out: Annotated[Path | None, typer.Option(
+                   help="Basis file to write (default: the shipped one for this encoder).")] = None,
+               input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
+               max_messages: MaxMessagesOpt = None,
+               config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Fit the memory bottleneck: the principal directions memory slots travel in (compression.bottleneck), on the
+    built-in scripted corpus or on your workload's episodes (--input, --bootstrap-servers)."""
+    import torch
+
+    from sao.compression.bottleneck import save_bottleneck, shipped_bottleneck_path
+    from sao.compression.semantic import load_encoder
+    from sao.compression.temporal import load_temporal_filter
+    from sao.offline.memory_basis import fit_memory_basis
+
+    cfg = _setup(config, set_)
+    torch.set_num_threads(1)  # one thread: the embeddings, and so the basis, come out the same bytes every run
+    sentence_encoder = load_encoder(cfg.compression.encoder)
+    if not 1 <= width <= sentence_encoder.dim:
+        console.print(f"[red]--width[/] must be between 1 and the encoder's {sentence_encoder.dim} dims (got {width})")
+        raise typer.Exit(2)
+    temporal_filter = load_temporal_filter(cfg.compression.temporal_weights, cfg.compression.keep_threshold)
+    episodes, source, flags = None, "", [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
+    if input_path or bootstrap_servers:
+        episodes = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, "mix", 0.0, seed, max_messages)
+        if len(episodes) < 2:
+            console.print(f"[red]only {len(episodes)} episode(s) found[/]: fitting needs one to hold out and one more")
+            raise typer.Exit(1)
+        source = f"file {input_path}" if input_path else f"topic {cfg.topics.trajectories}"
+        flags += ["--input", str(input_path)] if input_path else ["--bootstrap-servers", bootstrap_servers]
+    try:
+        basis, record = fit_memory_basis(sentence_encoder, temporal_filter, width, seed, episodes, source)
+    except ValueError as err:  # fewer kept steps than --width
+        console.print(f"[red]--width {width}[/]: {err}")
+        raise typer.Exit(1) from err
+    path = out or shipped_bottleneck_path(sentence_encoder.name)
+    record["command"] = shlex.join(["sao", "compression", "bottleneck", "--width", str(width), "--seed", str(seed),
+                                    *flags])
+    save_bottleneck(basis, path, record)
+    kept = ", ".join(f"{name} {value:.3f}" for name, value in record["variance_kept"].items())
+    console.print(f"wrote {path}: {width} of {sentence_encoder.dim} dims ({width + 4} B a slot instead of "
+                  f"{sentence_encoder.dim + 4}), fitted on {sum(record['vectors'].values())} kept steps' embeddings; "
+                  f"variance kept: {kept}; identity {basis.identity}")
+    if out:
+        console.print(f"use it with --set compression.bottleneck='\"{out}\"' (samplers and trainer alike)")
+
+
+@compression_app.command()
 def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
             index: Annotated[int, typer.Option(min=0, help="Which episode of the file, topic or env.")] = 0,
             agent: AgentOpt = "noisy",
@@ -282,12 +332,12 @@ def align(out: Annotated[Path | None, typer.Option(
 
     import torch
 
-    from sao.compression.semantic import load_encoder
+    from sao.compression.semantic import encoder_name, load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.offline import align as alignment
     from sao.offline import reconstruction as content
     from sao.policy.loading import load_tokenizer
-    from sao.policy.projector import encoder_identity, save_projector, shipped_projector_path
+    from sao.policy.projector import save_projector, shipped_projector_path
     from sao.policy.weights import build_policy
 
     cfg = _setup(config, set_)
@@ -333,8 +383,8 @@ def align(out: Annotated[Path | None, typer.Option(
                                        reconstruct_batch=reconstruct_batch, reconstruct_weight=reconstruct_weight)
     kl_aligned = alignment.mean_kl(policy, val_set, val_pairs)
     readable = content.content_nll(policy, val_slots)
-    model, encoder_name = cfg.policy.model, encoder_identity(cfg.compression.encoder)
-    target = out or shipped_projector_path(model, encoder_name)
+    model, encoder_identity = cfg.policy.model, encoder_name(cfg.compression.encoder)
+    target = out or shipped_projector_path(model, encoder_identity)
     flags = ["--labyrinth-episodes", str(labyrinth_episodes), "--tutoring-episodes", str(tutoring_episodes),
              "--max-steps", str(max_steps)] if not (input_path or bootstrap_servers) else (
         ["--input", str(input_path)] if input_path else ["--bootstrap-servers", str(bootstrap_servers)])
@@ -344,7 +394,7 @@ def align(out: Annotated[Path | None, typer.Option(
               "--recent-window", str(window), "--validation-steps", str(validation_steps), "--seed", str(seed),
               "--threads", str(threads)]  # the thread count can change float sums, so it is part of the recipe
     flags += [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
-    meta = {"model": model, "encoder": encoder_name, "corpus": source, "recent_window": window,
+    meta = {"model": model, "encoder": encoder_identity, "corpus": source, "recent_window": window,
             "temporal_filter": temporal_filter.meta.get("command", "shipped default"),
             "command": shlex.join(["sao", "compression", "align", *flags]), "seed": seed,
             "projector": "linear", "teacher": "same LM reading the full history as text",

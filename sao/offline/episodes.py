@@ -33,6 +33,7 @@ from sao.schema import Memory, SchemaError, Step, Trajectory, decode, encode
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from sao.compression.bottleneck import Bottleneck
     from sao.compression.semantic import SemanticEncoder
     from sao.compression.temporal import Decision, TemporalFilter
 
@@ -177,22 +178,26 @@ def read_episodes_from_topic(bootstrap: str, topic: str, tokenizer: PreTrainedTo
 
 def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_filter: TemporalFilter,
                    recent_window: int = 1, sampler_id: str = "replay",
-                   embeddings: np.ndarray | None = None) -> tuple[Trajectory, list[Decision]]:
+                   embeddings: np.ndarray | None = None, bottleneck: Bottleneck | None = None
+                   ) -> tuple[Trajectory, list[Decision]]:
     """The trajectory a sampler would send had its policy taken the recorded actions.
 
     `chat` is the sampler's `sao.policy.chat.ChatFormat` (token ids are built exactly as
     in a rollout; each action ends with the end-of-turn token). Behaviour log-probs are 0: no
     policy sampled these actions. Memory is built by `compress_batch`, which equals the
     sampler's online path, over every step but a final `done` one, as the sampler does.
-    `embeddings` may hold `encoder.encode(episode.texts())` (or its first rows) computed earlier.
+    `embeddings` may hold `encoder.encode(episode.texts())` (or its first rows) computed earlier. With a
+    `bottleneck` the memory travels as its coordinates, as a sampler's with compression.bottleneck set.
     Returns the trajectory and the filter's decision for each compressed step.
     """
+    from sao.compression.bottleneck import basis_name
     from sao.compression.pipeline import compress_batch, visible_slots_at
 
     compressed = episode.compressed_steps()
     table, _, decisions = compress_batch(
         episode.texts()[:compressed], episode.rewards()[:compressed], encoder, temporal_filter,
-        recent_window=recent_window, embeddings=None if embeddings is None else embeddings[:compressed])
+        recent_window=recent_window, embeddings=None if embeddings is None else embeddings[:compressed],
+        bottleneck=bottleneck)
     steps = []
     for index, step in enumerate(episode.steps):
         observation_ids = (chat.first_observation(step.observation) if index == 0
@@ -207,7 +212,8 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
     trajectory = Trajectory(
         trajectory_id=Trajectory.make_id(episode.task_id, 0), task_id=episode.task_id, env=episode.env,
         sampler_id=sampler_id, behaviour_version=0, prompt_ids=chat.prompt(prompt_text), steps=steps,
-        memory=memory, temperature=1.0, encoder=encoder.name, recent_window=recent_window)
+        memory=memory, temperature=1.0, encoder=encoder.name, recent_window=recent_window,
+        memory_basis=basis_name(bottleneck))
     return trajectory, decisions
 
 

@@ -4,13 +4,14 @@ A projector maps one encoder's sentence embeddings into one LM's input-embedding
 file is only meaningful for the pair it was aligned on (`sao compression align`). Its JSON
 sidecar names that pair; loading it for another pair is refused with an error that says what to
 do, never silently. Without a matching file the projector stays at zero (memory adds nothing).
+Files read the encoder's full width; where memory travels narrowed (compression.bottleneck), the
+loaded projector is composed with the bottleneck's basis (`compose`), which is exact.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -18,30 +19,22 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from sao.compression.bottleneck import Bottleneck
+from sao.compression.semantic import encoder_name, file_slug
+
 logger = logging.getLogger(__name__)
 
 PROJECTOR_FORMAT = "sao-projector-v1"
 SHIPPED_DIR = Path(__file__).resolve().parent / "projectors"
-# The config's encoder setting `default` is the packaged all-MiniLM-L6-v2 (sao.compression.semantic).
-_DEFAULT_ENCODER_SETTING, _DEFAULT_ENCODER_NAME = "default", "all-MiniLM-L6-v2"
 
 
 class ProjectorMismatch(ValueError):
     """Projector weights aligned for another model or encoder, or not a projector file at all."""
 
 
-def encoder_identity(setting: str) -> str:
-    """The name an encoder setting is recorded under (what `SemanticEncoder.name` reports)."""
-    return _DEFAULT_ENCODER_NAME if setting == _DEFAULT_ENCODER_SETTING else setting
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
-
-
 def shipped_projector_path(model: str, encoder: str) -> Path:
     """Where the aligned projector for (model, encoder identity) ships (it may not exist)."""
-    return SHIPPED_DIR / f"{_slug(model)}--{_slug(encoder)}.safetensors"
+    return SHIPPED_DIR / f"{file_slug(model)}--{file_slug(encoder)}.safetensors"
 
 
 def sidecar_path(path: Path | str) -> Path:
@@ -77,7 +70,7 @@ def read_projector_meta(path: Path | str) -> dict:
 def load_projector(projector: nn.Linear, path: Path | str, model: str, encoder: str) -> dict:
     """Copy aligned weights into `projector` after checking they were aligned for `model` + `encoder`.
 
-    `encoder` is the encoder's identity (`encoder_identity`). Returns the sidecar metadata.
+    `encoder` is the encoder's name (`sao.compression.semantic.encoder_name`). Returns the sidecar metadata.
     """
     meta = read_projector_meta(path)
     if (meta.get("model"), meta.get("encoder")) != (model, encoder):
@@ -101,13 +94,26 @@ def load_projector(projector: nn.Linear, path: Path | str, model: str, encoder: 
     return meta
 
 
-def apply_projector_setting(projector: nn.Linear, setting: str, model: str, encoder_setting: str) -> str:
+def compose(aligned: nn.Linear, bottleneck: Bottleneck, projector: nn.Linear) -> None:
+    """Set `projector` (reading the bottleneck's coordinates c) to what `aligned` (reading the encoder's
+    vectors) gives for the vector they stand for: W (centre + U c) + b = (W U) c + (W centre + b)."""
+    basis = torch.from_numpy(bottleneck.basis).to(torch.float64)
+    centre = torch.from_numpy(bottleneck.centre).to(torch.float64)
+    weight, bias = aligned.weight.detach().to(torch.float64), aligned.bias.detach().to(torch.float64)
+    with torch.no_grad():
+        projector.weight.copy_(weight @ basis)
+        projector.bias.copy_(weight @ centre + bias)
+
+
+def apply_projector_setting(projector: nn.Linear, setting: str, model: str, encoder_setting: str,
+                            bottleneck: Bottleneck | None = None) -> str:
     """Load what `policy.projector` asks for; return a line saying which projector the run uses.
 
     `auto`: the shipped aligned weights of this (model, encoder) pair if they exist, else zero;
-    `zero`: zero init; anything else: a weights file, which must match the pair.
+    `zero`: zero init; anything else: a weights file, which must match the pair. Projector files read
+    the encoder's full width; with a `bottleneck` they are composed with its basis (`compose`).
     """
-    encoder = encoder_identity(encoder_setting)
+    encoder = encoder_name(encoder_setting)
     if setting == "zero":
         return "memory projector: zero init (policy.projector = \"zero\"): memory adds nothing until trained"
     path = shipped_projector_path(model, encoder) if setting == "auto" else Path(setting).expanduser()
@@ -116,8 +122,14 @@ def apply_projector_setting(projector: nn.Linear, setting: str, model: str, enco
                 f"{encoder!r}): memory adds nothing until trained")
     if not path.is_file():
         raise ProjectorMismatch(f"policy.projector {setting!r}: no such file")
-    meta = load_projector(projector, path, model, encoder)
+    if bottleneck is None:
+        meta = load_projector(projector, path, model, encoder)
+    else:
+        aligned = nn.Linear(bottleneck.dim, projector.out_features)
+        meta = load_projector(aligned, path, model, encoder)
+        compose(aligned, bottleneck, projector)
     result = meta.get("result", {})
     measured = {"kl_zero", "kl_aligned"} <= set(result)
     kl = f"; held-out KL {result['kl_zero']:.3f} -> {result['kl_aligned']:.3f}" if measured else ""
-    return f"memory projector: aligned, {path.name} ({meta.get('corpus', 'corpus unknown')}{kl})"
+    through = f", composed with basis {bottleneck.identity}" if bottleneck is not None else ""
+    return f"memory projector: aligned, {path.name}{through} ({meta.get('corpus', 'corpus unknown')}{kl})"

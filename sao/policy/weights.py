@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from sao.compression.bottleneck import Bottleneck
 from sao.config import PolicyConfig
 from sao.policy.loading import load_language_model
 from sao.policy.model import MemoryPolicy
@@ -204,16 +205,17 @@ def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:
 
 
 def build_policy(config: PolicyConfig, memory_dim: int, value_head: bool = False,
-                 encoder: str | None = None) -> MemoryPolicy:
+                 encoder: str | None = None, bottleneck: Bottleneck | None = None) -> MemoryPolicy:
     """Version 0 of the policy, identical in every process: base LM + projector.
 
     With `encoder` (the compression.encoder setting) the projector is what `policy.projector`
-    names (sao/policy/projector.py: the aligned one shipped for this model + encoder, else zero);
-    without it, zero.
+    names (sao/policy/projector.py: the aligned one shipped for this model + encoder, else zero),
+    composed with `bottleneck` when memory travels narrowed (then `memory_dim` is its width);
+    without `encoder`, zero.
     """
     policy = MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_dim, value_head)
     if encoder is not None:
-        logger.info(apply_projector_setting(policy.projector, config.projector, config.model, encoder))
+        logger.info(apply_projector_setting(policy.projector, config.projector, config.model, encoder, bottleneck))
     return policy
 
 

@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-from sao.compression.semantic import load_encoder
-from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import make_tasks
-from sao.policy.weights import build_policy, place_for_sampling, read_weights_into
+from sao.policy.weights import read_weights_into
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
 from sao.schema import Task
@@ -67,12 +65,9 @@ class Scorer:
         torch.set_num_threads(threads or config.sampler.torch_threads)
         self.config, self.run_dir = config, Path(run_dir)
         self.slots = slots or config.run.heldout_batch
-        self.encoder = load_encoder(config.compression.encoder)
-        self.policy = place_for_sampling(build_policy(config.policy, self.encoder.dim, encoder=config.compression.encoder),
-                                         config.sampler.device)
-        self.loaded_version = 0  # build_policy gives the base model
-        temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
-        self.roller = Roller(config, self.policy, self.encoder, temporal_filter, sampler_id="eval", seed=0)
+        self.roller = Roller.from_config(config, sampler_id="eval", seed=0)
+        self.policy = self.roller.policy
+        self.loaded_version = 0  # the base model
 
     @property
     def device(self) -> str:

@@ -19,16 +19,12 @@ from pathlib import Path
 import torch
 from confluent_kafka import KafkaException
 
-from sao.compression.semantic import load_encoder
-from sao.compression.temporal import load_temporal_filter
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
 from sao.metrics import record_announcement_refused, record_delivery, record_policy_reload, record_rollout
 from sao.policy.weights import (
     WeightsMismatch,
     announced_weights_path,
-    build_policy,
-    place_for_sampling,
     read_weights_into,
 )
 from sao.sampler.offsets import OffsetTracker
@@ -53,12 +49,9 @@ class Sampler:
         self.config = config
         self.sampler_id = sampler_id
         self.status_path = status_path
-        encoder = load_encoder(config.compression.encoder)
-        temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
-        self.policy = place_for_sampling(build_policy(config.policy, encoder.dim, encoder=config.compression.encoder),
-                                         config.sampler.device)
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
-        self.roller = Roller(config, self.policy, encoder, temporal_filter, sampler_id, seed)
+        self.roller = Roller.from_config(config, sampler_id, seed)
+        self.policy = self.roller.policy
         self.policy_version = 0
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
                          "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -9,9 +10,10 @@ import numpy as np
 import torch
 
 from sao.compression.accounting import compression_stats
+from sao.compression.bottleneck import Bottleneck, basis_name, describe, resolve_bottleneck, slot_width
 from sao.compression.pipeline import OnlineCompressor
-from sao.compression.semantic import SemanticEncoder
-from sao.compression.temporal import TemporalFilter
+from sao.compression.semantic import SemanticEncoder, load_encoder
+from sao.compression.temporal import TemporalFilter, load_temporal_filter
 from sao.config import SaoConfig
 from sao.envs.base import Env
 from sao.envs.guard import EnvFailure, call_env
@@ -20,7 +22,10 @@ from sao.policy.chat import ChatFormat, step_text
 from sao.policy.context import StepInput, step_tokens
 from sao.policy.loading import load_tokenizer
 from sao.policy.model import MemoryPolicy
+from sao.policy.weights import build_policy, place_for_sampling
 from sao.schema import Memory, Step, Task, Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 class LiveEpisode:
@@ -36,7 +41,8 @@ class LiveEpisode:
         self.prompt_ids = roller.chat.prompt(task_text)
         # A temporal filter holds one trajectory's LSTM state: each episode gets its own.
         self.compressor = OnlineCompressor(roller.encoder, roller.temporal_filter.fork(),
-                                           recent_window=roller.config.compression.recent_window)
+                                           recent_window=roller.config.compression.recent_window,
+                                           bottleneck=roller.bottleneck)
         self.observation_text, self.observation_ids = task_text, roller.chat.first_observation(task_text)
         self.finished: list[tuple[np.ndarray, np.ndarray]] = []
         self.steps: list[Step] = []
@@ -75,6 +81,7 @@ class LiveEpisode:
             env=self.task.env, sampler_id=self.roller.sampler_id, behaviour_version=self.behaviour_version,
             prompt_ids=self.prompt_ids, steps=steps, memory=memory, temperature=generation.temperature,
             top_p=generation.top_p, encoder=self.roller.encoder.name, recent_window=config.compression.recent_window,
+            memory_basis=basis_name(self.roller.bottleneck),
             timings={"rollout_s": time.perf_counter() - self.started, "generate_s": self.generate_s,
                      "encode_s": stages.encode_seconds, "filter_s": stages.filter_seconds,
                      "quantize_s": stages.quantize_seconds},
@@ -94,7 +101,7 @@ class Roller:
 
     def __init__(self, config: SaoConfig, policy: MemoryPolicy, encoder: SemanticEncoder,
                  temporal_filter: TemporalFilter, sampler_id: str, seed: int = 0,
-                 env_factory: Callable[[], Env] | None = None):
+                 env_factory: Callable[[], Env] | None = None, bottleneck: Bottleneck | None = None):
         self.config = config
         self.generation = generation_settings(config)
         self.env_factory = env_factory or (lambda: make_env(config.env))
@@ -103,8 +110,23 @@ class Roller:
                                self.generation.system_prompt, self.generation.stop)
         self.encoder = encoder
         self.temporal_filter = temporal_filter
+        self.bottleneck = bottleneck  # memory slots travel as its coordinates; None: the encoder's full width
         self.sampler_id = sampler_id
         self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_config(cls, config: SaoConfig, sampler_id: str, seed: int = 0) -> Roller:
+        """What `config` names, loaded: the encoder, the temporal filter, the memory bottleneck, and version 0 of
+        the policy (its projector composed with the bottleneck) placed for sampling. Samplers and the held-out
+        scorer start here, so both read memory exactly as the trainer expects it."""
+        encoder = load_encoder(config.compression.encoder)
+        temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
+        bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)
+        logger.info(describe(bottleneck, encoder.dim))
+        policy = build_policy(config.policy, slot_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
+                              bottleneck=bottleneck)
+        return cls(config, place_for_sampling(policy, config.sampler.device), encoder, temporal_filter, sampler_id,
+                   seed, bottleneck=bottleneck)
 
     def rollout(self, task: Task, behaviour_version: int, greedy: bool = False) -> Trajectory:
         """One episode; an env failure raises EnvFailure."""

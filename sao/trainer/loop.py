@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from sao import metrics
-from sao.compression.semantic import encoder_dim
+from sao.compression.bottleneck import basis_name, describe, resolve_bottleneck, slot_width
+from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import turn_credit
 from sao.policy.weights import build_policy
@@ -61,9 +62,14 @@ class Trainer:
         # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
         resuming = resume and has_checkpoint(self.run_dir.checkpoints)
         verified = _in_background(verify_checkpoint, self.run_dir.checkpoints) if resuming else None
-        self.memory_dim = encoder_dim(config.compression.encoder)  # the width only: no model load
-        policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head, config.compression.encoder)
-        validator = TrajectoryValidator.for_model(policy, self.memory_dim, config)  # before ZeRO-3 wraps it
+        full_width = encoder_dim(config.compression.encoder)  # read from the encoder's folder: no model load
+        bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder_name(config.compression.encoder))
+        self.memory_dim = slot_width(bottleneck, full_width)
+        log.info(describe(bottleneck, full_width))
+        policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head, config.compression.encoder,
+                              bottleneck)
+        validator = TrajectoryValidator.for_model(  # before ZeRO-3 wraps the policy
+            policy, self.memory_dim, config, basis_name(bottleneck))
         clock = self._started("model", clock)
         # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
         # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.

@@ -36,14 +36,16 @@ class TrajectoryValidator:
     """What this trainer's model and config accept; `validate` raises SchemaError on the first misfit."""
 
     vocab_size: int  # token ids must lie in [0, vocab_size)
-    memory_dim: int  # width of every memory vector (the encoder's)
+    memory_dim: int  # width of every memory vector (the encoder's, or the bottleneck's)
     max_abs_reward: float
     max_bytes: int
     max_turns: int | None = None  # env.max_turns: a sampler ends every episode there
     env: str | None = None  # the `env` the run's tasks carry; None when the env class is not importable here
+    memory_basis: str = ""  # the bottleneck identity memory must be coded in; "" = the encoder's full width
 
     @classmethod
-    def for_model(cls, model: nn.Module, memory_dim: int, config: SaoConfig) -> TrajectoryValidator:
+    def for_model(cls, model: nn.Module, memory_dim: int, config: SaoConfig,
+                  memory_basis: str = "") -> TrajectoryValidator:
         """Limits of `model` (a MemoryPolicy: ids index its input embeddings and its output logits) and of the run."""
         lm = model.lm
         vocab_size = lm.get_input_embeddings().num_embeddings
@@ -51,7 +53,7 @@ class TrajectoryValidator:
         if output is not None:
             vocab_size = min(vocab_size, output.out_features)
         return cls(vocab_size, memory_dim, config.trainer.max_abs_reward, config.trainer.max_trajectory_bytes,
-                   config.env.max_turns, task_env(config.env.name))
+                   config.env.max_turns, task_env(config.env.name), memory_basis)
 
     def check_size(self, num_bytes: int) -> None:
         """Before decoding: a message over `trainer.max_trajectory_bytes` is refused unread."""
@@ -97,10 +99,17 @@ class TrajectoryValidator:
 
     def _check_memory(self, trajectory: Trajectory) -> None:
         memory = trajectory.memory
+        if not len(memory.vectors):
+            return  # no slot: nothing coded in any width or basis, and the policy saw no memory
+        if trajectory.memory_basis != self.memory_basis:
+            raise SchemaError("invalid-memory", "memory_basis",
+                              f"memory is coded in basis {trajectory.memory_basis or 'none (full width)'!r}; this "
+                              f"trainer reads {self.memory_basis or 'none (full width)'!r} "
+                              "(compression.bottleneck must be the same in samplers and trainer)")
         if memory.vectors.shape[1] != self.memory_dim:
             raise SchemaError("invalid-memory", "memory.vectors",
-                              f"vectors are {memory.vectors.shape[1]} wide; this trainer's encoder gives "
-                              f"{self.memory_dim}")
+                              f"vectors are {memory.vectors.shape[1]} wide; this trainer's memory is "
+                              f"{self.memory_dim} wide")
         scales = memory.scales
         # Scales within [0, MAX_MEMORY_SCALE] are finite (NaN and inf fail the comparisons), so only
         # scales out of range take the finiteness pass that tells the two faults apart.

@@ -31,7 +31,7 @@ def test_memory_fidelity_tiny(tmp_path):
                                                             nan_ok=True)
     assert headline["ratio"] == headline["value"]
     assert set(result["envs"]) == {"textworld", "arithmetic"}
-    assert "narrowed to 8 dims" in result["projector"]
+    assert "memory slots: 8 INT8 coordinates in basis all-MiniLM-L6-v2/pca8/" in result["projector"]
     for summary in result["envs"].values():
         assert summary["actions"] > 0
         full = summary["full"]
@@ -76,14 +76,21 @@ def test_wire_cost_counts_slots_against_the_token_ids_of_the_steps_they_span(tin
         assert cost["replaced_token_bytes"] == 4 * tokens
         assert cost["bytes_ratio"] == pytest.approx(cost["slot_bytes"] / (4 * tokens))
         assert np.array_equal(item.student[-1].memory, memory.dequantized(len(memory.vectors)))  # the donors' rows
-        assert _bench().wire_cost([item], slot_dim=16)["slot_bytes"] == len(memory.scales) * (16 + 4)
     assert costs[0.4]["slots"] < costs[None]["slots"]
     assert costs[0.4]["steps_per_slot"] > costs[None]["steps_per_slot"]
     assert costs[0.4]["bytes_ratio"] < costs[None]["bytes_ratio"]
+    # Narrower slots: the same slots at 16 INT8 coordinates each.
+    from sao.compression.bottleneck import fit_bottleneck
+
+    bottleneck = fit_bottleneck(encoder.encode(episodes[0].texts()), 16, encoder.name)
+    narrow = prepare(episodes, tiny_config, encoder, load_temporal_filter(), recent_window=1, bottleneck=bottleneck)[0]
+    assert _bench().wire_cost([narrow])["slot_bytes"] == costs[None]["slots"] * (16 + 4)
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [("--keep-threshold", "5", "compression.keep_threshold"),
-                                                         ("--memory-dim", "0", "--memory-dim")])
+                                                         ("--memory-dim", "0", "--memory-dim"),
+                                                         ("--bottleneck", "/no/such/basis.safetensors",
+                                                          "compression.bottleneck")])
 def test_bad_memory_settings_are_refused_naming_them(flag, value, message):
     command = [sys.executable, str(ROOT / "benchmarks" / "memory_fidelity.py"), "--model", "tiny", flag, value]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

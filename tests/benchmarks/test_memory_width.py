@@ -19,14 +19,16 @@ def test_memory_width_tiny(tmp_path):
     out = tmp_path / "width.json"
     command = [sys.executable, str(SCRIPT), "--model", "tiny", "--widths", "384", "8", "--updates", "2",
                "--labyrinth-episodes", "1", "--tutoring-episodes", "1", "--max-steps", "16", "--threads", "1",
-               "--json", str(out)]
+               "--shipped", "--json", str(out)]
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True, timeout=900)
     result = json.loads(out.read_text())
-    full, narrow = result["widths"]
+    full, narrow, shipped = result["widths"]
     assert (full["width"], full["slot_bytes"], narrow["width"], narrow["slot_bytes"]) == (384, 388, 8, 12)
+    assert (shipped["width"], shipped["slot_bytes"]) == (64, 68) and shipped["basis"].startswith("shipped ")
+    assert full["basis"] == "none (full width)" and narrow["basis"] == "fitted here"
     assert full["held_out_variance_kept"] == pytest.approx(1.0)  # the full width is not squeezed
     assert 0 < narrow["held_out_variance_kept"] < 1
-    for row in (full, narrow):
+    for row in (full, narrow, shipped):
         assert row["n"] > 0 and all(math.isfinite(row[k]) for k in ("own", "other", "other_minus_own"))
         assert row["other_minus_own"] == pytest.approx(row["other"] - row["own"])
     headline = result["headline"]

@@ -30,6 +30,15 @@ def test_stage_costs_by_hand():
     assert costs["int8"].bytes == 4 * text + 2 * (8 + 4)
 
 
+def test_a_bottleneck_narrows_only_the_int8_stage():
+    """Slots coded in 8 coordinates of 32-d embeddings: the stages before it still hold 32-d float32 vectors."""
+    costs = trajectory_context_costs(_trajectory(), encoder_dim=32)
+    text = (10 + 5) + (10 + 10) + (10 + 10) + (10 + 10)
+    assert costs["semantic"].bytes == 4 * text + 3 * 32 * 4 and costs["temporal"].bytes == 4 * text + 2 * 32 * 4
+    assert costs["int8"].bytes == 4 * text + 2 * (8 + 4)
+    assert trajectory_context_costs(_trajectory())["temporal"].bytes == 4 * text + 2 * 8 * 4  # no bottleneck
+
+
 def test_trajectory_bytes_agree_with_the_trainer_and_the_wire():
     trajectory = _trajectory()
     sizes = trajectory_bytes(trajectory)

@@ -88,3 +88,43 @@ def test_align_writes_a_projector_whose_sidecar_holds_its_recipe_and_content_che
     content = meta["result"]["content"]
     assert content["n"] > 0 and content["other_minus_own"] == pytest.approx(content["other"] - content["own"])
     assert "under its own slot" in result.output
+
+
+@pytest.mark.slow
+def test_the_shipped_memory_basis_is_rebuilt_bit_for_bit_by_the_command_in_its_sidecar(tmp_path):
+    """`sao compression bottleneck --width 64 --seed 0` (~50 s on one core) gives the shipped file's bytes."""
+    import shlex
+
+    from sao.compression.bottleneck import shipped_bottleneck_path
+
+    shipped = shipped_bottleneck_path("all-MiniLM-L6-v2")
+    meta = json.loads(shipped.with_suffix(".json").read_text())
+    command = shlex.split(meta["command"])
+    assert command[:3] == ["sao", "compression", "bottleneck"] and "--out" not in command
+    out = tmp_path / "basis.safetensors"
+    result = CliRunner().invoke(app, [*command[1:], "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == shipped.read_bytes()
+    rebuilt = json.loads(out.with_suffix(".json").read_text())
+    assert rebuilt["identity"] == meta["identity"] and rebuilt["variance_kept"] == meta["variance_kept"]
+    assert meta["variance_kept"]["held_out_textworld"] > 0.85  # the labyrinth, where memory is used
+
+
+def test_the_bottleneck_command_refuses_a_width_beyond_the_encoder():
+    result = CliRunner().invoke(app, ["compression", "bottleneck", "--width", "385", "--out", "/nonexistent/x"])
+    assert result.exit_code == 2 and "--width" in result.output and "384" in result.output
+
+
+def test_a_basis_fits_on_a_workload_s_own_episodes_and_names_them(recorded, tmp_path):
+    from sao.compression.bottleneck import load_bottleneck
+
+    out = tmp_path / "basis.safetensors"
+    result = CliRunner().invoke(app, ["compression", "bottleneck", "--input", str(recorded), "--width", "8",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    basis, meta = load_bottleneck(out, "all-MiniLM-L6-v2")
+    assert basis.width == 8 and f"2 episodes from file {recorded}" in meta["corpus"]
+    assert meta["command"].endswith(f"--input {recorded}") and 0 < meta["variance_kept"]["held_out_textworld"] < 1
+    too_wide = CliRunner().invoke(app, ["compression", "bottleneck", "--input", str(recorded), "--width", "300",
+                                        "--out", str(out)])
+    assert too_wide.exit_code == 1 and "--width 300" in too_wide.output

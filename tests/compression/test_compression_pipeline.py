@@ -153,3 +153,34 @@ def test_encoder_and_filter_dimensions_must_agree(encoder, make_filter):
         OnlineCompressor(encoder, make_filter(0.1, dim=16))
     with pytest.raises(ValueError, match="rewards"):
         compress_batch(["a", "b"], [0.0], encoder, make_filter(0.1))
+
+
+@pytest.mark.parametrize("recent_window", [0, 1])
+def test_a_bottleneck_narrows_the_slots_online_and_in_batch_alike(encoder, median_filter, dialogue,
+                                                                   dialogue_embeddings, recent_window):
+    from sao.compression.bottleneck import fit_bottleneck
+
+    texts, rewards = dialogue
+    bottleneck = fit_bottleneck(dialogue_embeddings, 6, encoder.name)
+    compressor = OnlineCompressor(encoder, median_filter, recent_window=recent_window, bottleneck=bottleneck)
+    for text, reward in zip(texts, rewards):
+        compressor.finish_step(text, reward)
+    online = compressor.memory()
+    table, _, _ = compress_batch(texts, rewards, encoder, median_filter, recent_window, bottleneck=bottleneck)
+    np.testing.assert_array_equal(table.vectors, online.vectors)
+    k = len(table)
+    assert table.vectors.shape == (k, 6) and compressor.dequantized(range(k)).shape == (k, 6)
+    stats = compressor.stats()
+    assert stats.int8_bytes == k * (6 + 4) and stats.fp32_bytes == len(texts) * 384 * 4
+    # The coordinates decode to the kept steps' embeddings, as far as six directions of the dialogue span them.
+    decoded = bottleneck.decode(compressor.dequantized(range(k)))
+    kept = dialogue_embeddings[table.created_at_step]
+    cosine = (decoded * kept).sum(1) / np.linalg.norm(decoded, axis=1) / np.linalg.norm(kept, axis=1)
+    assert cosine.min() > 0.9
+
+
+def test_a_bottleneck_for_another_width_of_embeddings_is_refused(encoder, median_filter):
+    from sao.compression.bottleneck import fit_bottleneck
+
+    with pytest.raises(ValueError, match="reads 16-d embeddings but the encoder gives 384-d"):
+        OnlineCompressor(encoder, median_filter, bottleneck=fit_bottleneck(np.eye(16), 4, encoder.name))

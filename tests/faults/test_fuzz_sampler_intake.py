@@ -270,7 +270,9 @@ def test_every_hostile_task_starts_an_episode_or_is_dead_lettered_and_rollouts_t
         letter["reason"] for letter in letters}
     assert len(started) > 1000
 
-    validator = TrajectoryValidator.for_model(sampler.policy, 384, config)
+    bottleneck = sampler.roller.bottleneck  # the shipped basis: memory travels 64 wide, as the trainer expects
+    assert bottleneck is not None and sampler.policy.memory_dim == bottleneck.width == 64
+    validator = TrajectoryValidator.for_model(sampler.policy, bottleneck.width, config, bottleneck.identity)
     episodes, trajectories = started[::len(started) // ROLLED_OUT][:ROLLED_OUT], []
     while episodes:
         outcomes = sampler.roller.step(episodes)

@@ -27,7 +27,7 @@ from sao.transport.kafka import make_producer, read_all
 from support.fault_runs import on_own_topics
 from support.hostile_messages import hostile_messages, pack
 from support.plain_engine import PlainEngine
-from support.trainer_runs import synthetic_trajectory
+from support.trainer_runs import SHIPPED_BASIS, synthetic_trajectory
 
 MESSAGES, PER_ROUND_TRIP = 10_000, 2_000
 REDELIVERED_PER_ROUND_TRIP = 10  # copies of messages with an id: a sampler's retry, dropped as duplicates
@@ -41,8 +41,8 @@ def _bases() -> list[dict]:
     for index in range(3):
         trajectory = synthetic_trajectory(index, np.random.default_rng(index))
         if index == 1:
-            memory = Memory(np.ones((2, 384), np.int8), np.full(2, 0.01, np.float32), np.zeros((2, 2), np.int32),
-                            np.zeros(2, np.float32))
+            memory = Memory(np.ones((2, SHIPPED_BASIS.width), np.int8), np.full(2, 0.01, np.float32),
+                            np.zeros((2, 2), np.int32), np.zeros(2, np.float32))
             trajectory = replace(trajectory, memory=memory,
                                  steps=[replace(s, memory_count=min(k + 1, 2)) for k, s in enumerate(trajectory.steps)])
         trajectory = replace(trajectory, recent_window=1, behaviour_version=POLICY_VERSION - 5 * index,
@@ -79,8 +79,8 @@ def intake(kafka_bootstrap, tiny_config):
     config = on_own_topics(tiny_config, kafka_bootstrap, "fuzz-traj", partitions=2)
     # Small, so that long arrays meet the size check; the arrays drawn stay far below what a model can score.
     config.trainer.max_trajectory_bytes, config.trainer.freshness_decay = 4096, 0.9
-    policy = build_policy(config.policy, 384)
-    validator = TrajectoryValidator.for_model(policy, 384, config)
+    policy = build_policy(config.policy, SHIPPED_BASIS.width)  # memory as a default trainer reads it
+    validator = TrajectoryValidator.for_model(policy, SHIPPED_BASIS.width, config, SHIPPED_BASIS.identity)
     stream = TrajectoryStream(kafka_bootstrap, config.topics.trajectories,
                               DeadLetterQueue(make_producer(kafka_bootstrap), config.topics.dlq),
                               config.trainer.max_staleness, validator, None, set(), config.topics.trainer_group)
@@ -163,7 +163,8 @@ def _train_on(entries: list, policy, cfg) -> None:
     for start in range(0, len(entries), BATCH):
         trajectories = [entry.trajectory for entry in entries[start:start + BATCH]]
         plan = plan_batch(trajectories, baseline, cfg, POLICY_VERSION)
-        outcome = train_step(engine, plan, lambda kept: plan_batch(kept, baseline, cfg, POLICY_VERSION), cfg, 384, 1)
+        outcome = train_step(engine, plan, lambda kept: plan_batch(kept, baseline, cfg, POLICY_VERSION), cfg,
+                             SHIPPED_BASIS.width, 1)
         assert outcome.applied and outcome.refused == [], [t.trajectory_id for t, _, _ in outcome.refused]
         assert math.isfinite(outcome.stats.loss) and math.isfinite(engine.grad_norm), trajectories
         record_rewards(outcome.plan, baseline)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from sao.compression.semantic import encoder_name
 from sao.policy.projector import (
     ProjectorMismatch,
     apply_projector_setting,
-    encoder_identity,
     load_projector,
     save_projector,
     shipped_projector_path,
@@ -59,7 +59,7 @@ def test_refuses_a_file_without_sidecar_or_of_the_wrong_shape(tmp_path):
 
 
 def test_setting_auto_zero_and_path(tmp_path, tiny_config):
-    assert encoder_identity("default") == "all-MiniLM-L6-v2"
+    assert encoder_name("default") == "all-MiniLM-L6-v2"
     projector = nn.Linear(384, 64)
     nn.init.zeros_(projector.weight)
     line = apply_projector_setting(projector, "auto", "tiny", "default")  # nothing ships for the tiny model
@@ -85,3 +85,29 @@ def test_shipped_projector_names_its_pair():
     assert (meta["model"], meta["encoder"]) == ("smollm2-135m-instruct", "all-MiniLM-L6-v2")
     assert meta["result"]["kl_aligned"] < meta["result"]["kl_zero"]
     assert meta["command"].startswith("sao compression align")
+
+
+def test_with_a_bottleneck_the_aligned_projector_is_composed_with_its_basis(tmp_path, tiny_config):
+    """Coordinates on the wire give the soft token the full vector they stand for gives the aligned projector."""
+    import numpy as np
+
+    from sao.compression.bottleneck import fit_bottleneck
+    from sao.compression.quantize import dequantize_int8, quantize_int8
+
+    aligned = _aligned(tmp_path / "p.safetensors")
+    rng = np.random.default_rng(0)
+    bottleneck = fit_bottleneck(rng.normal(size=(100, 384)), 16, "all-MiniLM-L6-v2")
+    policy_config = tiny_config.policy.model_copy(update={"projector": str(tmp_path / "p.safetensors")})
+    policy = build_policy(policy_config, 16, encoder="default", bottleneck=bottleneck)
+    assert policy.projector.in_features == 16
+    coordinates = dequantize_int8(*quantize_int8(bottleneck.encode(rng.normal(size=(5, 384)))))
+    with torch.no_grad():
+        through_basis = policy.projector(torch.from_numpy(coordinates))
+        full_vector = aligned(torch.from_numpy(bottleneck.decode(coordinates)))
+    torch.testing.assert_close(through_basis, full_vector, atol=1e-4, rtol=1e-4)
+    line = apply_projector_setting(nn.Linear(16, 64), str(tmp_path / "p.safetensors"), "tiny", "default", bottleneck)
+    assert f"composed with basis {bottleneck.identity}" in line
+    # A projector file must read the encoder's full width: one of the bottleneck's width is refused.
+    _aligned(tmp_path / "narrow.safetensors", dim=16)
+    with pytest.raises(ProjectorMismatch, match="the projector needs"):
+        apply_projector_setting(nn.Linear(16, 64), str(tmp_path / "narrow.safetensors"), "tiny", "default", bottleneck)

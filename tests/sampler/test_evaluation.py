@@ -5,9 +5,13 @@ import json
 import pytest
 import torch
 
+from sao.compression.bottleneck import resolve_bottleneck
 from sao.policy.weights import build_policy, unique_state_dict, write_weights
 from sao.sampler.evaluation import compare, evaluate, heldout_tasks, weights_of
 from sao.schema import PolicyAnnouncement
+
+# What a default trainer publishes: a projector reading the shipped basis's coordinates.
+MEMORY_DIM = resolve_bottleneck("auto", "all-MiniLM-L6-v2").width
 
 
 def _publish(policy, run_dir, version: int) -> None:
@@ -31,8 +35,8 @@ def test_heldout_tasks_are_distinct_and_capped(tiny_config):
     assert len(heldout_tasks(humaneval, 50)) == 33
 
 
-def test_eval_scores_a_published_version(tiny_config, encoder, tmp_path):
-    policy = build_policy(tiny_config.policy, encoder.dim)
+def test_eval_scores_a_published_version(tiny_config, tmp_path):
+    policy = build_policy(tiny_config.policy, MEMORY_DIM)
     torch.nn.init.normal_(policy.projector.weight, std=0.01)
     _publish(policy, tmp_path, 3)
     result = evaluate(tiny_config, tmp_path, version=3, num_tasks=3)
@@ -44,9 +48,9 @@ def test_eval_scores_a_published_version(tiny_config, encoder, tmp_path):
         weights_of(tmp_path, 1)
 
 
-def test_the_paired_comparison_writes_the_heldout_figures_and_caches_the_base(tiny_config, encoder, tmp_path):
+def test_the_paired_comparison_writes_the_heldout_figures_and_caches_the_base(tiny_config, tmp_path):
     config = _with_cache(tiny_config, tmp_path / "cache")
-    _publish(build_policy(config.policy, encoder.dim), tmp_path, 1)  # the base weights, republished
+    _publish(build_policy(config.policy, MEMORY_DIM), tmp_path, 1)  # the base weights, republished
     first = compare(config, tmp_path, version=1, cap=4)
     assert first["heldout_n"] == 4 and not first["base_cached"]
     # Same weights, greedy: every task scores the same, so the paired differences are all 0.
@@ -87,14 +91,14 @@ def test_eval_runs_on_the_labyrinth(tiny_config, tmp_path):
     assert json.loads((tmp_path / "eval" / "v000000.json").read_text()) == result
 
 
-def test_sao_eval_reports_the_paired_comparison_against_a_baseline(encoder, tmp_path):
+def test_sao_eval_reports_the_paired_comparison_against_a_baseline(tmp_path):
     from typer.testing import CliRunner
 
     from sao.cli import app
     from sao.config import load_config
 
     config = load_config(overrides=['policy.model="tiny"'], environ={})
-    _publish(build_policy(config.policy, encoder.dim), tmp_path, 2)
+    _publish(build_policy(config.policy, MEMORY_DIM), tmp_path, 2)
     common = ["eval", "--run-dir", str(tmp_path), "--num-tasks", "2", "--set", 'policy.model="tiny"',
               "--set", f'run.heldout_cache_dir="{tmp_path / "cache"}"']
     result = CliRunner().invoke(app, [*common, "--version", "2", "--baseline", "0"])

@@ -134,6 +134,16 @@ class _Recording:
         return feedback
 
 
+def assert_rescored_exactly(policy, trajectory, memory_dim: int, atol: float) -> None:
+    """The trainer's scorer, given what the trajectory carries, gives back the behaviour log-probs sampled."""
+    inputs = training_inputs(trajectory)
+    batch = collate_steps(inputs, memory_dim, [trajectory.temperature] * len(inputs))
+    with torch.no_grad():
+        scored = policy(batch)
+    for row, step in enumerate(trajectory.steps):
+        np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=atol)
+
+
 def test_rollout_is_wire_ready_and_rescored_exactly(roller):
     task = make_tasks(roller.config.env, 1)[0]
     trajectory = decode(encode(roller.rollout(task, behaviour_version=7)), Trajectory)
@@ -144,12 +154,23 @@ def test_rollout_is_wire_ready_and_rescored_exactly(roller):
     assert [s.memory_count for s in trajectory.steps] == [0, 0, 1]
     assert len(trajectory.memory.vectors) == 1 and trajectory.memory.vectors.dtype == np.int8
     assert trajectory.compression["ratio"] > 1
-    inputs = training_inputs(trajectory)
-    batch = collate_steps(inputs, roller.encoder.dim, [trajectory.temperature] * len(inputs))
-    with torch.no_grad():
-        scored = roller.policy(batch)
-    for row, step in enumerate(trajectory.steps):
-        np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-4)
+    assert_rescored_exactly(roller.policy, trajectory, roller.encoder.dim, atol=1e-4)
+
+
+def test_with_the_shipped_bottleneck_memory_travels_narrow_names_its_basis_and_rescores_exactly(tiny_config, encoder):
+    from sao.compression.bottleneck import resolve_bottleneck
+
+    config = tiny_config.model_copy(deep=True)
+    config.env.max_turns, config.compression.recent_window = 4, 1
+    bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)  # "auto": the shipped basis
+    policy = build_policy(config.policy, bottleneck.width).eval()
+    torch.nn.init.normal_(policy.projector.weight, std=0.05)  # memory must matter for the exactness check
+    roller = Roller(config, policy, encoder, load_temporal_filter(), "s-narrow", seed=3, bottleneck=bottleneck)
+    trajectory = decode(encode(roller.rollout(make_tasks(config.env, 1)[0], 0)), Trajectory)
+    assert trajectory.memory_basis == bottleneck.identity
+    assert [s.memory_count for s in trajectory.steps][:3] == [0, 0, 1]  # step 2 reads step 0 from memory
+    assert trajectory.memory.vectors.shape[1] == 64 and len(trajectory.memory.vectors) >= 1  # 68 B a slot
+    assert_rescored_exactly(policy, trajectory, bottleneck.width, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -171,12 +192,7 @@ def test_real_smollm2_rollout_is_rescored_exactly(encoder):
     # The real model ends its turns itself: its contexts are the chat so far as well.
     question = make_env(config.env).reset(task.spec)
     assert_contexts_are_the_chat_so_far(roller.chat, trajectory, question, [feedback for _, feedback in seen])
-    inputs = training_inputs(trajectory)
-    batch = collate_steps(inputs, encoder.dim, [trajectory.temperature] * len(inputs))
-    with torch.no_grad():
-        scored = policy(batch)
-    for row, step in enumerate(trajectory.steps):
-        np.testing.assert_allclose(scored[row][batch.action_mask[row]].numpy(), step.behaviour_logprobs, atol=1e-3)
+    assert_rescored_exactly(policy, trajectory, encoder.dim, atol=1e-3)
 
 
 def test_sampler_dead_letters_a_failing_env_and_goes_on(kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path):

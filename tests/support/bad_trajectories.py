@@ -10,6 +10,9 @@ from dataclasses import replace
 import numpy as np
 
 from sao.schema import Memory, Trajectory
+from support.trainer_runs import SHIPPED_BASIS
+
+WIDTH = SHIPPED_BASIS.width
 
 EMPTY = np.zeros(0, np.int32)
 
@@ -48,8 +51,12 @@ CORRUPTIONS = {
         "empty-context", "steps[0].observation_ids"),
     "reward 1e39": (lambda t: _first_step(t, reward=1e39), "out-of-range", "steps[0].reward"),
     "reward 1e300": (lambda t: _first_step(t, reward=1e300), "out-of-range", "steps[0].reward"),
-    "memory scale NaN": (lambda t: _with_memory(t, 384, math.nan), "non-finite", "memory.scales"),
-    "memory scale inf": (lambda t: _with_memory(t, 384, math.inf), "non-finite", "memory.scales"),
+    "memory in another basis": (lambda t: replace(_with_memory(t, WIDTH, 0.01), memory_basis="all-MiniLM-L6-v2/pca64/0"),
+                                "invalid-memory", "memory_basis"),
+    "memory at full width": (lambda t: replace(_with_memory(t, 384, 0.01), memory_basis=""),
+                             "invalid-memory", "memory_basis"),
+    "memory scale NaN": (lambda t: _with_memory(t, WIDTH, math.nan), "non-finite", "memory.scales"),
+    "memory scale inf": (lambda t: _with_memory(t, WIDTH, math.inf), "non-finite", "memory.scales"),
     "temperature inf": (lambda t: replace(t, temperature=math.inf), "non-finite", "temperature"),
     "temperature 1e-30": (lambda t: replace(t, temperature=1e-30), "out-of-range", "temperature"),
     "log-prob -1e30": (lambda t: _first_logprob(t, -1e30), "out-of-range", "steps[0].behaviour_logprobs"),

@@ -8,12 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
+from sao.compression.bottleneck import resolve_bottleneck
 from sao.schema import Memory, Step, Trajectory, encode
 from sao.transport.dlq import describe_dlq_message
 from sao.transport.kafka import make_producer, read_all
 from sao.transport.topics import ensure_topics
 
 TOTAL = 18  # unique trajectories; plus one duplicate and one malformed message
+# How memory travels by default (compression.bottleneck = "auto"): what a default trainer reads.
+SHIPPED_BASIS = resolve_bottleneck("auto", "all-MiniLM-L6-v2")
 
 
 def synthetic_trajectory(index: int, rng: np.random.Generator) -> Trajectory:
@@ -27,7 +30,8 @@ def synthetic_trajectory(index: int, rng: np.random.Generator) -> Trajectory:
                           done=False, memory_count=0))
     return Trajectory(trajectory_id=f"task-{index}#0", task_id=f"task-{index}", env="arithmetic", sampler_id="synthetic",
                       behaviour_version=0, prompt_ids=rng.integers(3, 49152, 12).astype(np.int32), steps=steps,
-                      memory=Memory.empty(384), temperature=1.0, encoder="all-MiniLM-L6-v2", recent_window=0)
+                      memory=Memory.empty(SHIPPED_BASIS.width), temperature=1.0, encoder="all-MiniLM-L6-v2",
+                      recent_window=0, memory_basis=SHIPPED_BASIS.identity)
 
 
 def write_config(path: Path, prefix: str, group: str | None = None, trainer_toml: str = "", **trainer) -> None:

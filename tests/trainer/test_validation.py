@@ -25,6 +25,7 @@ from sao.trainer.validation import TrajectoryValidator
 from sao.transport.topics import ensure_topics
 from support.bad_trajectories import CORRUPTIONS, big_valid_trajectory
 from support.trainer_runs import (
+    SHIPPED_BASIS,
     dead_letters,
     latest_weights_are_finite,
     produce,
@@ -39,8 +40,8 @@ VOCAB = 49152  # the tiny model's (SmolLM2's tokenizer)
 
 @pytest.fixture(scope="module")
 def validator() -> TrajectoryValidator:
-    return TrajectoryValidator(vocab_size=VOCAB, memory_dim=384, max_abs_reward=1e4, max_bytes=16 << 20, max_turns=4,
-                               env="arithmetic")
+    return TrajectoryValidator(vocab_size=VOCAB, memory_dim=SHIPPED_BASIS.width, max_abs_reward=1e4,
+                               max_bytes=16 << 20, max_turns=4, env="arithmetic", memory_basis=SHIPPED_BASIS.identity)
 
 
 def valid(index: int = 0) -> Trajectory:
@@ -133,6 +134,15 @@ def test_ids_and_log_probs_at_the_edges_pass_in_every_step(validator):
     validator.validate(over_the_wire(trajectory), policy_version=0)
 
 
+def test_an_empty_memory_passes_whatever_its_width_or_basis(validator):
+    """No slot holds anything coded in a basis, and the policy saw no memory: a 2-turn episode of a sampler with
+    another compression.bottleneck is still valid data (its memory-bearing episodes are what gets refused)."""
+    from sao.schema import Memory
+
+    for width, basis in ((384, ""), (7, "another/pca7/0")):
+        validator.validate(over_the_wire(replace(valid(), memory=Memory.empty(width), memory_basis=basis)), 0)
+
+
 def test_size_is_checked_before_decoding(validator):
     validator.check_size(16 << 20)
     with pytest.raises(SchemaError) as refused:
@@ -180,7 +190,7 @@ def _mutate(wire: dict, rng: np.random.Generator) -> bytes:
             count = len(np.frombuffer(steps["behaviour_logprobs"]["data"], np.float32))
             steps["behaviour_logprobs"] = pack_array(rng.choice(_FLOATS, count), np.float32)
         else:  # memory: width, slot count, scales, and which slots the steps see
-            slots, width = int(rng.integers(0, 3)), int(rng.choice([0, 7, 384, 385]))
+            slots, width = int(rng.integers(0, 3)), int(rng.choice([0, 7, SHIPPED_BASIS.width, 384]))
             obj["memory"] = {"vectors": pack_array(rng.integers(-127, 128, (slots, width)), np.int8),
                              "scales": pack_array(rng.choice(_FLOATS, slots), np.float32),
                              "spans": pack_array(np.zeros((slots, 2)), np.int32),
@@ -202,7 +212,7 @@ def test_whatever_passes_validation_scores_to_a_finite_loss_and_gradient(tiny_co
         def __call__(self, *args, **kwargs):
             return self.module(*args, **kwargs)
 
-    policy = build_policy(tiny_config.policy, 384)
+    policy = build_policy(tiny_config.policy, SHIPPED_BASIS.width)
     cfg = TrainerConfig(freshness_decay=0.9)  # freshness ** staleness crashed on a future behaviour version
     rng = np.random.default_rng(12)
     wire = msgpack.unpackb(encode(replace(valid(), recent_window=1)), raw=False)
@@ -216,7 +226,7 @@ def test_whatever_passes_validation_scores_to_a_finite_loss_and_gradient(tiny_co
             outcomes["refused"] += 1
             continue
         plan = plan_batch([trajectory, partner], RewardBaseline(), cfg, policy_version=2)
-        loss, _ = rank_loss(Engine(policy), plan, [0, 1], 2, cfg, 384)
+        loss, _ = rank_loss(Engine(policy), plan, [0, 1], 2, cfg, SHIPPED_BASIS.width)
         policy.zero_grad()
         loss.backward()
         assert torch.isfinite(loss), trajectory
