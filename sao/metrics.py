@@ -88,6 +88,7 @@ TRAINER_TRAJECTORIES = Counter("sao_trainer_trajectories_total", "Trajectories t
 TRAINER_STEP_SECONDS = Histogram(
     "sao_trainer_step_seconds", "Wall time of one step: wait + forward/backward + optimizer + publish.",
     buckets=_SLOW_SECONDS)
+TRAINER_PHASES = ("wait", "forward_backward", "optimizer", "publish")
 TRAINER_PHASE_SECONDS = Histogram(
     "sao_trainer_phase_seconds", "Time per step in each phase: wait (for data), forward_backward, optimizer, publish.",
     ["phase"], buckets=_SLOW_SECONDS)
@@ -178,12 +179,15 @@ def record_trainer_start(*, max_staleness: int, policy_version: int) -> None:
     TRAINER_STALENESS_BUDGET.set(max_staleness)
     TRAINER_POLICY_VERSION.set(policy_version)
     TRAINER_LAST_STEP.set_to_current_time()  # a trainer that never steps shows up as stalled
+    # Each phase's series exists at 0 from the start: one that first appears already holding its first steps
+    # gives rate() nothing to see (a short run's phase panels stayed empty when its steps came in one burst).
+    for phase in TRAINER_PHASES:
+        TRAINER_PHASE_SECONDS.labels(phase=phase)
 
 
 def export_trainer_step(record: StepRecord) -> None:
     """Export one optimizer step's figures, as the trainer computed them."""
-    phases = {"wait": record.wait_s, "forward_backward": record.forward_backward_s,
-              "optimizer": record.optimizer_s, "publish": record.publish_s}
+    phases = dict(zip(TRAINER_PHASES, (record.wait_s, record.forward_backward_s, record.optimizer_s, record.publish_s)))
     for phase, seconds in phases.items():
         TRAINER_PHASE_SECONDS.labels(phase=phase).observe(seconds)
     TRAINER_STEP_SECONDS.observe(sum(phases.values()))

@@ -92,6 +92,21 @@ def test_export_trainer_step_exports_every_figure_of_the_record():
     assert _value("sao_trainer_policy_version") == 7
 
 
+def test_each_trainer_phase_series_exists_at_zero_from_the_start():
+    """rate() needs a sample before the first step's increase: in a fresh process, the phases are exported at 0
+    by the start alone (a short run's phase panels were empty when its steps came in one burst)."""
+    import subprocess
+    import sys
+
+    probe = ("from prometheus_client import REGISTRY\nfrom sao import metrics\n"
+             "before = REGISTRY.get_sample_value('sao_trainer_phase_seconds_count', {'phase': 'wait'})\n"
+             "metrics.record_trainer_start(max_staleness=8, policy_version=0)\n"
+             "print(before, *(REGISTRY.get_sample_value('sao_trainer_phase_seconds_count', {'phase': p})\n"
+             "                for p in metrics.TRAINER_PHASES))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["None", "0.0", "0.0", "0.0", "0.0"]
+
+
 def test_record_rollout_exports_sampler_and_compression_figures():
     trajectories = _value("sao_sampler_trajectories_total")
     tokens = _value("sao_sampler_tokens_total")
