@@ -20,8 +20,10 @@ and the benchmark reports per-action NLL (summed over the action's tokens) and K
 with standard errors; for each scored gem delivery, whether the context makes the LM rank the gem
 it holds first among the world's gems (against chance, 1 / gems); what each env's memory costs on
 the wire (INT8 slot bytes against the int32 token ids of the steps the slots stand for;
-`--keep-threshold` trades slots for bytes); plus the context length (tokens + soft tokens) at steps
-10, 100 and 1000 of a 1000-step labyrinth episode.
+`--keep-threshold` trades slots for bytes; slots travel as compression.bottleneck says: the shipped
+64-d basis by default, `--bottleneck none` for the full width, `--memory-dim k` for a basis fitted
+here); plus the context length (tokens + soft tokens) at steps 10, 100 and 1000 of a 1000-step
+labyrinth episode.
 Headline: gap recovered = (NLL_recent - NLL_sao) / (NLL_recent - NLL_full) on the labyrinth;
 `baseline` is the zero projector's, `ratio` is the gap recovered itself, and
 `other_episode_memory` the gap recovered by the aligned projector reading another episode's
