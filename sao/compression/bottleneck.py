@@ -26,6 +26,7 @@ from safetensors.numpy import load_file, save_file
 
 from sao.compression.quantize import dequantize_int8, quantize_int8
 from sao.compression.semantic import file_slug
+from sao.compression.temporal import sidecar_path
 
 BASIS_FORMAT = "sao-memory-basis-v1"
 SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
@@ -108,12 +109,12 @@ def save_bottleneck(bottleneck: Bottleneck, path: Path | str, meta: dict) -> Non
     save_file({"centre": bottleneck.centre, "basis": bottleneck.basis}, str(path))
     record = {**meta, "format": BASIS_FORMAT, "encoder": bottleneck.encoder, "dim": bottleneck.dim,
               "width": bottleneck.width, "identity": bottleneck.identity}
-    path.with_suffix(".json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    sidecar_path(path).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def load_bottleneck(path: Path | str, encoder: str) -> tuple[Bottleneck, dict]:
     """Read a basis and its sidecar; refuse one fitted on another encoder, or not a basis at all."""
-    path, side = Path(path), Path(path).with_suffix(".json")
+    path, side = Path(path), sidecar_path(path)
     if not side.is_file():
         raise BottleneckMismatch(f"{path}: its sidecar {side.name} is missing, so the encoder it was fitted on "
                                  f"is unknown; re-run `{SHIPPED_COMMAND}`")

@@ -21,6 +21,7 @@ from torch import nn
 
 from sao.compression.bottleneck import Bottleneck
 from sao.compression.semantic import encoder_name, file_slug
+from sao.compression.temporal import sidecar_path
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ class ProjectorMismatch(ValueError):
 def shipped_projector_path(model: str, encoder: str) -> Path:
     """Where the aligned projector for (model, encoder identity) ships (it may not exist)."""
     return SHIPPED_DIR / f"{file_slug(model)}--{file_slug(encoder)}.safetensors"
-
-
-def sidecar_path(path: Path | str) -> Path:
-    return Path(path).with_suffix(".json")
 
 
 def save_projector(projector: nn.Linear, path: Path | str, meta: dict) -> None:
