@@ -20,8 +20,10 @@ and `sao sampler` commands, tasks fed under the same backpressure), with two cra
    an in-memory buffer would have had to regenerate (verl's RFC #7579 measures 2,400-4,000 s per crash).
 
 Then the audit (sao/audit.py) accounts for every task fed: `lost` and `trained_twice` must be 0 (the
-script exits 1 otherwise). The last batch of tasks is fed only after the trainer crash, so the run cannot
-end before both. Times are wall-clock on whatever else the machine runs: the load average is recorded.
+script exits 1 otherwise). Tasks are fed in three stages so that the trainer cannot outrun a crash: all but
+the last three batches at first; two more once the killed episodes are trained (otherwise a slow redo
+could leave the trainer no step past a checkpoint to be killed at); the last only after the trainer
+crash, so the run cannot end before both. Times are wall-clock on whatever else the machine runs: the load average is recorded.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from sao.transport.kafka import iter_all
 from sao.transport.topics import ensure_topics, topic_partitions
 
 CHECKPOINT_EVERY = 2  # an early checkpoint, so that a short run can kill the trainer past one
+WITHHELD_BATCHES = 3  # fed only once the sampler crash has healed: room for a kill past a checkpoint
 POLL_S = 0.02  # status files are read this often: a kill lands about this long after the moment chosen
 FEED_EVERY_S = 0.5
 
@@ -67,8 +70,12 @@ class CrashRun:
         self.config, self.bootstrap, self.run_dir, self.rng = config, bootstrap, run_dir, rng
         self.feeder = Feeder(config, bootstrap)
         self.total = self.feeder.total
-        self.feeder.total -= config.trainer.batch_size  # withheld until the trainer crash (see the docstring)
         self.full_steps = self.total // config.trainer.batch_size
+        if self.full_steps < WITHHELD_BATCHES + 1:
+            raise RunFailed(f"too few tasks for both crashes: {self.full_steps} trainer steps, at least "
+                            f"{WITHHELD_BATCHES + 1} needed; pass more --tasks")
+        # Fed in three stages (see the docstring): the trainer cannot outrun either crash.
+        self.feeder.total -= WITHHELD_BATCHES * config.trainer.batch_size
         self.processes: dict[str, subprocess.Popen] = {}
         self.killed: set[str] = set()
         self.fed_at = 0.0
@@ -123,8 +130,9 @@ class CrashRun:
         killed_ids = {Trajectory.make_id(e["task_id"], e["attempt"]) for e in sampler["live_episodes"]}
         self._until(lambda: killed_ids <= set(read_ledger(self.run_dir.ledger).times_trained()),
                     "training of the killed episodes' tasks")
+        self.feeder.total = self.total - self.config.trainer.batch_size  # all but the last batch
         low = max(self.config.trainer.checkpoint_every, self._trainer_status().get("step", 0) + 1)
-        high = self.full_steps - 2  # the withheld tasks leave it at least this far to go
+        high = self.full_steps - 2  # the last batch, still withheld, leaves it at least this far to go
         if low > high:
             raise RunFailed(f"too few tasks for both crashes: the trainer would be killed at step {low} of "
                             f"{self.full_steps}; pass more --tasks")
@@ -137,7 +145,7 @@ class CrashRun:
         at_kill = self._trainer_status()
         checkpoint = self.run_dir.latest_checkpoint.read_text().strip()
         killed_at = self._kill("trainer")
-        self.feeder.total = self.total  # the withheld tasks
+        self.feeder.total = self.total  # the last batch
         restarted_at = time.time()
         self.processes["trainer"] = _spawn(["trainer", *self._common(), "--expect", str(self.total), "--resume"],
                                            self.run_dir.log("trainer"))
@@ -396,6 +404,7 @@ def main() -> None:
             console.print(f"[red]recovery benchmark failed:[/] {err}")
             for log in sorted(run_dir.logs.glob("*.log")):
                 console.print(f"--- {log.name} (tail)\n{log.read_text(errors='replace')[-2000:]}")
+            console.print(f"[red]recovery benchmark failed:[/] {err}")  # again, below the logs: seen in a tail
             sys.exit(2)
     console.print(report_table(result.pop("_report")))
     print_result(console, result)
