@@ -23,7 +23,8 @@ Then the audit (sao/audit.py) accounts for every task fed: `lost` and `trained_t
 script exits 1 otherwise). Tasks are fed in three stages so that the trainer cannot outrun a crash: all but
 the last three batches at first; two more once the killed episodes are trained (otherwise a slow redo
 could leave the trainer no step past a checkpoint to be killed at); the last only after the trainer
-crash, so the run cannot end before both. Times are wall-clock on whatever else the machine runs: the load average is recorded.
+crash, so the run cannot end before both. Times are wall-clock on whatever else the machine runs: the
+load average is recorded.
 """
 
 from __future__ import annotations
@@ -401,10 +402,9 @@ def main() -> None:
         try:
             result = measure(config, run_dir, args.seed)
         except RunFailed as err:
-            console.print(f"[red]recovery benchmark failed:[/] {err}")
             for log in sorted(run_dir.logs.glob("*.log")):
                 console.print(f"--- {log.name} (tail)\n{log.read_text(errors='replace')[-2000:]}")
-            console.print(f"[red]recovery benchmark failed:[/] {err}")  # again, below the logs: seen in a tail
+            console.print(f"[red]recovery benchmark failed:[/] {err}")  # last: a test's output tail shows it
             sys.exit(2)
     console.print(report_table(result.pop("_report")))
     print_result(console, result)
