@@ -6,17 +6,21 @@ Each seed is a whole default run (`env.seed` changes the training stream; everyt
 default config unless extra arguments follow `--`). Each run ends by scoring the base model and
 its final version, greedily, on the same held-out tasks it never trained on (`run.heldout_*`);
 from each summary.json this prints their first-try success, the paired gain with its standard
-error over tasks, the sampled reward of the first and last behaviour versions, and the wall time.
+error over tasks, each one's second-try success after a wrong first answer (not paired: each over
+its own failures) and the share of those retries the env penalised for giving no new answer, the
+sampled reward of the first and last behaviour versions, and the wall time.
 Over seeds it prints the mean gain with two standard errors: across seeds (sd of the per-seed
 gains / sqrt(seeds): the run's own randomness) and over tasks (sqrt(sum of squared per-seed
 errors) / seeds). Every seed is scored on the same held-out tasks, so the task error does not
 shrink with more seeds; the base model's scores come from the held-out cache after the first run.
+Second tries over seeds: their mean with its error across seeds, and how many seeds beat the base.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,7 +29,10 @@ from pathlib import Path
 from sao.stats import mean, stderr
 
 KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n", "reward_first_version",
-        "reward_last_version", "trajectories_trained", "staleness_mean", "importance_ratio_abs_dev_mean")
+        "reward_last_version", "trajectories_trained", "staleness_mean", "importance_ratio_abs_dev_mean",
+        "heldout_second_try_base", "heldout_second_try_base_n", "heldout_second_try_final",
+        "heldout_second_try_final_stderr", "heldout_second_try_n", "heldout_second_try_penalised_base",
+        "heldout_second_try_penalised_final")
 
 
 def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
@@ -43,10 +50,14 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
 
 
 def over_seeds(results: list[dict]) -> dict:
-    """Mean held-out gain over seeds, with its error across seeds and over tasks."""
+    """Mean held-out gain over seeds, with its error across seeds and over tasks; the same for second tries."""
     gains = [r["heldout_gain"] for r in results]
     errors = [r["heldout_gain_stderr"] for r in results]
-    return {"gain": mean(gains), "gain_stderr_seeds": stderr(gains),
+    second = [r["heldout_second_try_final"] for r in results]
+    base_second = results[0]["heldout_second_try_base"]  # the same base model and tasks in every seed
+    return {"second_try": mean(second), "second_try_stderr_seeds": stderr(second), "second_try_base": base_second,
+            "second_try_above_base": sum(s is not None and base_second is not None and s > base_second for s in second),
+            "gain": mean(gains), "gain_stderr_seeds": stderr(gains),
             "gain_stderr_tasks": None if None in errors else sum(e ** 2 for e in errors) ** 0.5 / len(errors),
             "base": sum(r["heldout_base"] for r in results) / len(results),
             "positive": sum(g > 0 for g in gains), "seeds": len(results)}
@@ -69,16 +80,20 @@ def main() -> None:
 
     results = [run_seed(seed, args.runs_dir, args.extra) for seed in args.seeds]
     table = Table(title="default run: greedy first-try success on held-out tasks, base model vs final version")
-    for column in ("seed", "n", "base", "final", "gain ± s.e.", "reward v first/last", "staleness", "|rho-1|",
-                   "wall s"):
+    for column in ("seed", "n", "base", "final", "gain ± s.e.", "second try: base -> final (n)",
+                   "no new answer: base -> final", "reward v first/last", "staleness", "|rho-1|", "wall s"):
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(str(r["seed"]), str(r["heldout_n"]), f"{r['heldout_base']:.3f}", f"{r['heldout_final']:.3f}",
                       f"{r['heldout_gain']:+.3f} ± {_fmt(r['heldout_gain_stderr'], '.3f')}",
+                      f"{_fmt(r['heldout_second_try_base'], '.3f')} -> {_fmt(r['heldout_second_try_final'], '.3f')} ± "
+                      f"{_fmt(r['heldout_second_try_final_stderr'], '.3f')} ({r['heldout_second_try_n']})",
+                      f"{_fmt(r['heldout_second_try_penalised_base'], '.2f')} -> "
+                      f"{_fmt(r['heldout_second_try_penalised_final'], '.2f')}",
                       f"{_fmt(r['reward_first_version'], '.2f')}/{_fmt(r['reward_last_version'], '.2f')}",
                       _fmt(r["staleness_mean"], ".2f"), _fmt(r["importance_ratio_abs_dev_mean"], ".3f"),
                       f"{r['wall_s']:.0f}")
-    console = Console()
+    console = Console(width=None if os.isatty(1) else 160)  # a log file gets the whole table, unwrapped
     console.print(table)
     total = over_seeds(results)
     seeds_se, tasks_se = total["gain_stderr_seeds"], total["gain_stderr_tasks"]
@@ -86,6 +101,10 @@ def main() -> None:
                   f"across seeds ({_fmt(total['gain'] / seeds_se if seeds_se else None, '.1f')} s.e.), "
                   f"± {_fmt(tasks_se, '.3f')} over tasks; base {total['base']:.3f}; "
                   f"gain > 0 in {total['positive']} of {total['seeds']}")
+    console.print(f"mean held-out second-try success {_fmt(total['second_try'], '.3f')} ± "
+                  f"{_fmt(total['second_try_stderr_seeds'], '.3f')} across seeds; base "
+                  f"{_fmt(total['second_try_base'], '.3f')}; above it in {total['second_try_above_base']} of "
+                  f"{total['seeds']}")
     if args.json:
         final = total["base"] + total["gain"]
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -107,6 +107,10 @@ class EnvConfig(Section):
     max_turns: int = Field(2, ge=1, description="Attempts per task: a wrong answer gets feedback and another try.")
     retry_discount: float = Field(
         0.5, gt=0, le=1, description="Reward of a right answer at attempt k (0-based) is score * discount**k.")
+    repeat_penalty: float = Field(
+        0.5, ge=0, le=1, description="arithmetic env: reward -repeat_penalty for a retry that states an answer already "
+                                     "called wrong (anywhere in the reply) or none; 0 = off. Without it the wrong "
+                                     "retries all earn 0 and the policy keeps repeating itself (benchmarks/README.md).")
     seed: int = Field(0, description="Seed of the task stream (dataset sampling).")
     step_timeout_s: float = Field(
         30.0, ge=0, description="An env reset/step running longer ends its episode (DLQ reason env-timeout); 0 = no limit.")

@@ -139,6 +139,10 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
     final_rate = _rate(result["heldout_second_try_final"], result["heldout_second_try_final_stderr"],
                        result["heldout_second_try_n"])
     console.print(f"held-out second-try success (after a wrong first answer): v0 {base} -> v{final} {final_rate}")
+    penalised = result["heldout_second_try_penalised_base"], result["heldout_second_try_penalised_final"]
+    if any(penalised):  # arithmetic's env.repeat_penalty: the retry repeated a rejected answer or gave none
+        console.print(f"held-out second attempts with no new answer (penalised): v0 {penalised[0]:.3f} -> "
+                      f"v{final} {penalised[1]:.3f}")
 
 
 def _rate(value: float | None, error: float | None, n: int) -> str:

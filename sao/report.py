@@ -81,7 +81,8 @@ HELDOUT_KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_s
 # Held-out second-try success: right at the second attempt, among the tasks whose first attempt
 # failed; each version has its own n (its own first-try failures), so the two are not paired.
 SECOND_TRY_KEYS = ("heldout_second_try_base", "heldout_second_try_base_stderr", "heldout_second_try_base_n",
-                   "heldout_second_try_final", "heldout_second_try_final_stderr", "heldout_second_try_n")
+                   "heldout_second_try_final", "heldout_second_try_final_stderr", "heldout_second_try_n",
+                   "heldout_second_try_penalised_base", "heldout_second_try_penalised_final")
 
 
 def reward_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
@@ -375,12 +376,17 @@ def _cpu_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def _second_try_sentence(summary: dict[str, Any]) -> str:
-    base, base_error, base_n, final, final_error, final_n = (summary.get(key) for key in SECOND_TRY_KEYS)
+    base, base_error, base_n, final, final_error, final_n, base_penalised, final_penalised = (
+        summary.get(key) for key in SECOND_TRY_KEYS)
     if base_n is None and final_n is None:
         return ""
+    repeats = (f" The env penalised {_fmt(base_penalised)} of the base model's second attempts and "
+               f"{_fmt(final_penalised)} of the final version's (no new answer: a rejected one again, or none)."
+               if base_penalised or final_penalised else "")
     return (f"After a wrong first answer, the second attempt was right {_fmt(base)} ± {_fmt(base_error)} of the time "
             f"for the base model (n = {_fmt(base_n)} tasks it got wrong first) and {_fmt(final)} ± {_fmt(final_error)} "
-            f"for the final version (n = {_fmt(final_n)}); each over its own first-try failures, so not paired.")
+            f"for the final version (n = {_fmt(final_n)}); each over its own first-try failures, so not paired."
+            + repeats)
 
 
 def _attempts_table(groups: list[dict[str, Any]]) -> list[str]:

@@ -131,8 +131,9 @@ class StepRecord:
 def attempt_success(step_rewards: list[float]) -> tuple[float, float | None]:
     """(first attempt right, second attempt right) of an episode, from its steps' rewards.
 
-    In the retry envs (arithmetic, humaneval) a step pays only for a right answer, and a right
-    answer ends the episode. The second is None when there was no second attempt: the first
+    In the retry envs (arithmetic, humaneval) only a right answer earns a positive reward (a retry
+    with no new answer may earn a negative one: env.repeat_penalty), and a right answer ends the
+    episode. The second is None when there was no second attempt: the first
     was right, or the episode had one step.
     """
     first = float(step_rewards[0] > 0) if step_rewards else 0.0

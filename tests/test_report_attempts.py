@@ -47,7 +47,8 @@ def test_summary_and_report_show_first_and_second_attempt_success(tmp_path):
         {"heldout_base": 0.25, "heldout_final": 0.5, "heldout_gain": 0.25, "heldout_gain_stderr": 0.05,
          "heldout_n": 100, "heldout_second_try_base": 0.04, "heldout_second_try_base_stderr": 0.02,
          "heldout_second_try_base_n": 75, "heldout_second_try_final": 0.3, "heldout_second_try_final_stderr": 0.07,
-         "heldout_second_try_n": 50, "per_task": {}}))
+         "heldout_second_try_n": 50, "heldout_second_try_penalised_base": 0.95,
+         "heldout_second_try_penalised_final": 0.1, "per_task": {}}))
     summary = build_summary(SaoConfig(), tmp_path, duration_s=1.0)
     assert summary["heldout_second_try_base"] == 0.04 and summary["heldout_second_try_n"] == 50
     assert summary["heldout_second_try_base_n"] == 75 and summary["heldout_second_try_final_stderr"] == 0.07
@@ -56,6 +57,7 @@ def test_summary_and_report_show_first_and_second_attempt_success(tmp_path):
     text = write_report(tmp_path, summary).read_text()
     assert ("the second attempt was right 0.04 ± 0.02 of the time for the base model (n = 75 tasks it got wrong "
             "first) and 0.3 ± 0.07 for the final version (n = 50)") in text
+    assert "The env penalised 0.95 of the base model's second attempts and 0.1 of the final version's" in text
     assert "| 0 | 4 | 0.25 | 0.25 | 3 | 0.3333 | 0.3333 |" in text and "| 1 | 2 | 0.5 | 0.5 | 1 | 1 | - |" in text
 
 
@@ -64,3 +66,4 @@ def test_a_run_without_heldout_evaluation_says_nothing_of_second_tries(tmp_path)
     summary = build_summary(SaoConfig(), tmp_path, duration_s=1.0)
     assert summary["heldout_second_try_base"] is None and summary["attempts_by_version"] == []
     assert "second attempt was right" not in write_report(tmp_path, summary).read_text()
+    assert "The env penalised" not in write_report(tmp_path, summary).read_text()

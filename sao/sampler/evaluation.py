@@ -32,7 +32,8 @@ from sao.status import attempt_success
 
 log = logging.getLogger(__name__)
 
-# task id -> {"first_try": 0 or 1, "second_try": 0 or 1 or None (no second attempt), "reward": total reward}
+# task id -> {"first_try": 0 or 1, "second_try": 0 or 1 or None (no second attempt), "second_penalised": 0 or 1 or
+# None (the env scored the second attempt below 0: arithmetic's repeat_penalty), "reward": total reward}
 TaskScores = dict[str, dict[str, float | None]]
 
 
@@ -93,24 +94,27 @@ class Scorer:
                 failures[task.task_id] = str(outcome)
             else:
                 _, second_try = attempt_success([step.reward for step in outcome.steps])
-                scores[task.task_id] = {"first_try": float(outcome.steps[0].reward >= 1.0),
-                                        "second_try": second_try, "reward": outcome.total_reward}
+                penalised = None if second_try is None else float(outcome.steps[1].reward < 0)
+                scores[task.task_id] = {"first_try": float(outcome.steps[0].reward >= 1.0), "second_try": second_try,
+                                        "second_penalised": penalised, "reward": outcome.total_reward}
         if failures:
             log.warning("v%d: the env failed on %d of %d held-out tasks (left out), e.g. %s", version, len(failures),
                         len(tasks), next(iter(failures.values())))
         return scores, failures
 
 
-def second_tries(scores: TaskScores, task_ids: list[str]) -> list[float]:
-    """Second-try successes of the tasks that had a second attempt (first one wrong), in task order."""
-    return [scores[t]["second_try"] for t in task_ids if scores[t]["second_try"] is not None]
+def second_tries(scores: TaskScores, task_ids: list[str], figure: str = "second_try") -> list[float]:
+    """Second-try successes (or `second_penalised`) of the tasks that had a second attempt, in task order."""
+    return [scores[t][figure] for t in task_ids if scores[t]["second_try"] is not None]
 
 
 def _figures(scores: TaskScores) -> dict:
     first_try, second_try = [s["first_try"] for s in scores.values()], second_tries(scores, list(scores))
     return {"n": len(scores), "first_try_success": mean(first_try), "first_try_stderr": stderr(first_try),
             "second_try_success": mean(second_try), "second_try_stderr": stderr(second_try),
-            "second_try_n": len(second_try), "reward_mean": mean([s["reward"] for s in scores.values()])}
+            "second_try_n": len(second_try),
+            "second_try_penalised": mean(second_tries(scores, list(scores), "second_penalised")),
+            "reward_mean": mean([s["reward"] for s in scores.values()])}
 
 
 def evaluate(config: SaoConfig, run_dir: Path, version: int, num_tasks: int, greedy: bool = True) -> dict:
@@ -144,7 +148,8 @@ def _cache_path(config: SaoConfig, tasks: list[Task], device: str) -> Path | Non
     return Path(config.run.heldout_cache_dir).expanduser() / f"{key}.json"
 
 
-_CACHED_FIELDS = {"first_try": (int, float), "second_try": (int, float, type(None)), "reward": (int, float)}
+_CACHED_FIELDS = {"first_try": (int, float), "second_try": (int, float, type(None)),
+                  "second_penalised": (int, float, type(None)), "reward": (int, float)}
 
 
 def _cached_base(path: Path | None, tasks: list[Task]) -> TaskScores | None:
@@ -152,7 +157,7 @@ def _cached_base(path: Path | None, tasks: list[Task]) -> TaskScores | None:
         return None
     try:
         scores = json.loads(path.read_text())["scores"]
-        # A cache written before second tries were scored has no "second_try": it is scored again.
+        # A cache written before second tries (or their penalties) were scored lacks them: scored again.
         if all(isinstance(scores[t.task_id].get(k, "missing"), types)
                for t in tasks for k, types in _CACHED_FIELDS.items()):
             return {t.task_id: scores[t.task_id] for t in tasks}
@@ -209,6 +214,8 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
         "heldout_second_try_base_n": len(base_second),
         "heldout_second_try_final": mean(final_second), "heldout_second_try_final_stderr": stderr(final_second),
         "heldout_second_try_n": len(final_second),
+        "heldout_second_try_penalised_base": mean(second_tries(base, paired, "second_penalised")),
+        "heldout_second_try_penalised_final": mean(second_tries(final, paired, "second_penalised")),
         "base_version": baseline, "final_version": version, "tasks": len(tasks), "base_cached": base_cached,
         "base_seconds": base_s, "final_seconds": time.perf_counter() - started - base_s,
         "per_task": {t: {"base": base[t], "final": final[t]} for t in paired},

@@ -40,3 +40,5 @@ def test_one_tiny_seed_gives_the_headline_of_its_summary(tmp_path):
     assert headline["value"] == pytest.approx(summary["heldout_final"])
     assert result["gain"] == pytest.approx(summary["heldout_gain"]) and result["seeds"] == 1
     assert result["gain_stderr_seeds"] is None  # one seed has no spread across seeds
+    assert result["second_try"] == summary["heldout_second_try_final"]  # None if every first answer was right
+    assert result["second_try_base"] == summary["heldout_second_try_base"]

@@ -46,7 +46,33 @@ def test_wrong_answers_get_feedback_then_end():
     assert second.done and second.reward == pytest.approx(0.5)  # right on the second attempt
     env.reset(task.spec)
     results = [env.step("nothing") for _ in range(3)]
-    assert [r.done for r in results] == [False, False, True] and all(r.reward == 0 for r in results)
+    assert [r.done for r in results] == [False, False, True]
+    assert [r.reward for r in results] == [0, -config.repeat_penalty, -config.repeat_penalty]  # retries with no answer
+
+
+@pytest.mark.parametrize("retry, reward", [
+    ("{old}", -0.2),  # the answer already called wrong
+    ("{old}\n\nThe answer is {new}.", -0.2),  # listing it before a new one does not dodge the penalty
+    ("The answer is {new}.", 0.0),  # a new wrong answer
+    ("no idea", -0.2),  # no answer at all
+    ("{right}", 0.5),  # right at the second attempt: the discount, no penalty
+])
+def test_a_retry_that_offers_no_new_answer_is_penalised(retry, reward):
+    config = EnvConfig(max_turns=2, retry_discount=0.5, repeat_penalty=0.2)
+    env, _, answer = _answer(make_tasks(config, 1)[0], config)
+    old, new = int(answer) + 1, int(answer) + 2
+    assert env.step(f"{old}.0").reward == 0  # the first attempt is never penalised; "8.0" is the answer 8
+    feedback = env.step(retry.format(old=old, new=new, right=answer))
+    assert feedback.done and feedback.reward == pytest.approx(reward)
+
+
+def test_no_penalty_when_off_or_on_a_first_attempt():
+    config = EnvConfig(max_turns=2, repeat_penalty=0.0)
+    env, _, answer = _answer(make_tasks(config, 1)[0], config)
+    wrong = str(int(answer) + 1)
+    assert [env.step(wrong).reward, env.step(wrong).reward] == [0, 0]
+    env, _, _ = _answer(make_tasks(EnvConfig(), 1)[0])
+    assert env.step("no idea").reward == 0  # a first attempt with no answer is only wrong
 
 
 def test_tasks_are_deterministic_and_distinct():

@@ -40,8 +40,13 @@ def test_eval_scores_a_published_version(tiny_config, tmp_path):
     torch.nn.init.normal_(policy.projector.weight, std=0.01)
     _publish(policy, tmp_path, 3)
     result = evaluate(tiny_config, tmp_path, version=3, num_tasks=3)
-    assert (result["version"], result["tasks"], result["n"]) == (3, 3, 3) and 0 <= result["reward_mean"] <= 1
+    penalty = tiny_config.env.repeat_penalty  # a retry with no new answer earns -penalty
+    assert (result["version"], result["tasks"], result["n"]) == (3, 3, 3) and -penalty - 1e-9 <= result["reward_mean"] <= 1
     assert (result["second_try_success"], result["second_try_n"]) == (0.0, 3)  # random tokens: wrong twice
+    # Penalised second attempts are those the env scored below 0: here the whole episode's reward.
+    assert all(task["second_penalised"] == float(task["reward"] < 0) for task in result["per_task"].values())
+    assert result["second_try_penalised"] == pytest.approx(
+        sum(task["second_penalised"] for task in result["per_task"].values()) / 3)
     assert sorted(result["per_task"]) == sorted(t.task_id for t in heldout_tasks(tiny_config, 3))
     assert json.loads((tmp_path / "eval" / "v000003.json").read_text()) == result
     with pytest.raises(FileNotFoundError, match=r"kept: \[3\]"):
@@ -65,13 +70,16 @@ def test_the_paired_comparison_writes_the_heldout_figures_and_caches_the_base(ti
     [cached] = (tmp_path / "cache").glob("*.json")
     # A later run reads the base model's scores from the cache (here: doctored, to see them used).
     stored = json.loads(cached.read_text())
-    stored["scores"] = {task: {"first_try": 0.0, "second_try": 1.0, "reward": 0.5} for task in stored["scores"]}
-    stored["scores"][next(iter(stored["scores"]))] = {"first_try": 1.0, "second_try": None, "reward": 1.0}
+    stored["scores"] = {task: {"first_try": 0.0, "second_try": 1.0, "second_penalised": 0.0, "reward": 0.5}
+                        for task in stored["scores"]}
+    stored["scores"][next(iter(stored["scores"]))] = {"first_try": 1.0, "second_try": None, "second_penalised": None,
+                                                      "reward": 1.0}
     cached.write_text(json.dumps(stored))
     again = compare(config, tmp_path, version=1, cap=4)
     assert again["base_cached"] and again["heldout_base"] == 0.25
     assert again["heldout_gain"] == pytest.approx(first["heldout_final"] - 0.25)
     assert (again["heldout_second_try_base"], again["heldout_second_try_base_n"]) == (1.0, 3)
+    assert again["heldout_second_try_penalised_base"] == 0.0
     # A cache from before second tries were scored is scored again, not read.
     stored["scores"] = {task: {"first_try": 1.0, "reward": 1.0} for task in stored["scores"]}
     cached.write_text(json.dumps(stored))
