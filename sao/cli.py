@@ -320,12 +320,13 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
         if baseline is None:
             result = evaluate(cfg, run_dir, version, num_tasks, greedy)
             keys = ("tasks", "first_try_success", "first_try_stderr", "second_try_success", "second_try_stderr",
-                    "second_try_n", "reward_mean", "env_failures", "seconds")
+                    "second_try_n", "second_try_penalised", "reward_mean", "env_failures", "seconds")
         else:
             result = compare(cfg, run_dir, version, baseline, cap=num_tasks)
             keys = ("heldout_n", "heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr",
                     "heldout_second_try_base", "heldout_second_try_base_n", "heldout_second_try_final",
-                    "heldout_second_try_n", "heldout_reward_base", "heldout_reward_final", "base_cached",
+                    "heldout_second_try_n", "heldout_second_try_penalised_base", "heldout_second_try_penalised_final",
+                    "heldout_reward_base", "heldout_reward_final", "base_cached",
                     "base_seconds", "final_seconds")
     except (FileNotFoundError, ValueError) as err:
         console.print(f"[red]{err}[/]")
