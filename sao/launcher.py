@@ -139,10 +139,12 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
     final_rate = _rate(result["heldout_second_try_final"], result["heldout_second_try_final_stderr"],
                        result["heldout_second_try_n"])
     console.print(f"held-out second-try success (after a wrong first answer): v0 {base} -> v{final} {final_rate}")
-    penalised = result["heldout_second_try_penalised_base"], result["heldout_second_try_penalised_final"]
-    if any(penalised):  # arithmetic's env.repeat_penalty: the retry repeated a rejected answer or gave none
-        console.print(f"held-out second attempts with no new answer (penalised): v0 {penalised[0]:.3f} -> "
-                      f"v{final} {penalised[1]:.3f}")
+    base_penalised, final_penalised = result["heldout_second_try_penalised_base"], result["heldout_second_try_penalised_final"]
+    if base_penalised or final_penalised:  # arithmetic's env.repeat_penalty: a rejected answer again, or none
+        # Either is None when that version had no second attempt (every first answer right).
+        console.print(f"held-out second attempts with no new answer (penalised): v0 "
+                      f"{_rate(base_penalised, None, result['heldout_second_try_base_n'])} -> v{final} "
+                      f"{_rate(final_penalised, None, result['heldout_second_try_n'])}")
 
 
 def _rate(value: float | None, error: float | None, n: int) -> str:
