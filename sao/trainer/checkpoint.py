@@ -75,6 +75,21 @@ def save_checkpoint(engine, directory: Path, state: TrainerState) -> Path:
     return tag_dir
 
 
+def update_checkpoint_state(directory: Path, state: TrainerState) -> None:
+    """Rank 0: rewrite the latest checkpoint's sao state in place, its DeepSpeed files untouched.
+
+    For a trainer that stops having dead-lettered messages since its last step's checkpoint: the
+    weights are those the tag holds, but its offsets and counts are behind. The file hashes stay
+    as recorded (the files did not change), so the checkpoint stays trusted.
+    """
+    tag = _read_latest(directory)
+    if tag != f"step-{state.step:08d}":
+        raise RuntimeError(f"{directory / _LATEST_FILE} names {tag!r}, not step {state.step}: only the state of "
+                           "the checkpoint of the current step may be rewritten")
+    _, recorded = verify_checkpoint(directory)
+    _write_atomically(directory / tag / _STATE_FILE, json.dumps({**asdict(state), "files": recorded["files"]}))
+
+
 def has_checkpoint(directory: Path) -> bool:
     """Whether `directory` names a latest checkpoint (trusted or not: `verify_checkpoint` decides that)."""
     return (directory / _LATEST_FILE).is_file()

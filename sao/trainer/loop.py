@@ -34,7 +34,14 @@ from sao.status import StepRecord, attempt_success, process_usage, write_status
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards, turn_returns
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
-from sao.trainer.checkpoint import TrainerState, has_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+from sao.trainer.checkpoint import (
+    TrainerState,
+    has_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    update_checkpoint_state,
+    verify_checkpoint,
+)
 from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
 from sao.trainer.publisher import PolicyPublisher
@@ -178,8 +185,11 @@ class Trainer:
                 if outcome.applied and self.state.step % cfg.checkpoint_every == 0:
                     checkpointed_at = self._checkpoint()
                 self._write_status()
+            self._commit()  # what was dead-lettered since the last step is done with too
             if self.state.step > checkpointed_at:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
+            elif self._handled_since_checkpoint():
+                self._record_dead_letters()
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
             self.finished = self.is_leader and self._all_handled(expected_trajectories) and len(self.buffer) == 0
@@ -372,15 +382,32 @@ class Trainer:
                 f"offsets {self.committed_offsets or 'none in this life'}; last checkpoint at step {checkpointed_at} "
                 f"(offsets {self.state.offsets})" + (f", so a resume retrains the {since} step(s) after it" if since else ""))
 
+    def _take_stream_state(self) -> None:
+        """Rank 0: where the trajectory stream stands, into `self.state` (what a resume restarts from)."""
+        held = self.buffer.held_ids()
+        self.state.offsets = self._safe_offsets()
+        self.state.refused_offsets = self.stream.refused_above(self.state.offsets)
+        self.state.broker_cluster_id = self.broker_watch.cluster_id
+        # Buffered trajectories will be re-read after a resume, so they must not count as seen.
+        self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
+        self.state.handled = self._handled() - len(self.buffer)
+
+    def _handled_since_checkpoint(self) -> bool:
+        """Rank 0: messages were handled (dead-lettered: no step came after) since the last checkpoint."""
+        return (self.is_leader and has_checkpoint(self.run_dir.checkpoints)
+                and self._handled() - len(self.buffer) > self.state.handled)
+
+    def _record_dead_letters(self) -> None:
+        """Rank 0, at a stop with no step since the last checkpoint: bring its offsets and counts up to date.
+
+        Otherwise a resume would read those messages again and dead-letter each a second time.
+        """
+        self._take_stream_state()
+        update_checkpoint_state(self.run_dir.checkpoints, self.state)
+
     def _checkpoint(self) -> int:
         if self.is_leader:
-            held = self.buffer.held_ids()
-            self.state.offsets = self._safe_offsets()
-            self.state.refused_offsets = self.stream.refused_above(self.state.offsets)
-            self.state.broker_cluster_id = self.broker_watch.cluster_id
-            # Buffered trajectories will be re-read after a resume, so they must not count as seen.
-            self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
-            self.state.handled = self._handled() - len(self.buffer)
+            self._take_stream_state()
         self.state.baseline = self.baseline.state_dict()
         self.state.rng = {"torch": torch.get_rng_state().tolist(), "replay": _jsonable(self.buffer.rng.getstate())}
         started = time.perf_counter()

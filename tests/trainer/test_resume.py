@@ -1,4 +1,4 @@
-"""kill -9 the trainer at a random moment, resume: every trajectory is trained on exactly once."""
+"""Resume after a crash or a stop: every trajectory is trained on, and every bad message dead-lettered, exactly once."""
 
 import json
 import os
@@ -8,11 +8,22 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sao.schema import PolicyAnnouncement, decode
-from sao.transport.kafka import read_all
-from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, wait_for_step, write_config
+from sao.transport.kafka import make_producer, read_all
+from sao.transport.topics import ensure_topics
+from support.trainer_runs import (
+    TOTAL,
+    dead_letters,
+    produce,
+    produce_trajectories,
+    synthetic_trajectory,
+    trainer_command,
+    wait_for_step,
+    write_config,
+)
 
 
 def effective_ledger(path: Path) -> list[str]:
@@ -53,3 +64,32 @@ def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap,
     versions = [decode(m.value(), PolicyAnnouncement).policy_version
                 for m in read_all(kafka_bootstrap, f"{unique_topic_prefix}.policy")]
     assert len(versions) == len(set(versions)) and max(versions) == state["policy_version"]
+
+
+@pytest.mark.slow
+def test_a_message_dead_lettered_after_the_last_step_is_in_the_final_checkpoint(kafka_bootstrap, unique_topic_prefix,
+                                                                              tmp_path):
+    """The bad message arrives after the last batch's checkpoint: the stop records it, a resume does not redo it."""
+    prefix = unique_topic_prefix
+    ensure_topics(kafka_bootstrap, {f"{prefix}.traj": 1, f"{prefix}.policy": 1, f"{prefix}.dlq": 1})
+    rng = np.random.default_rng(0)
+    produce(kafka_bootstrap, f"{prefix}.traj", [synthetic_trajectory(i, rng) for i in range(TOTAL)])
+    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
+    write_config(config, prefix)
+    first = subprocess.Popen(trainer_command(config, kafka_bootstrap, run_dir), stdout=subprocess.DEVNULL,
+                             stderr=open(tmp_path / "first.log", "w"))
+    wait_for_step(run_dir / "status" / "trainer.json", TOTAL // 3, first)  # every trajectory trained, checkpointed
+    producer = make_producer(kafka_bootstrap)
+    producer.produce(f"{prefix}.traj", b"\x93not a trajectory", key="garbage")  # offset TOTAL
+    assert producer.flush(30) == 0
+    assert first.wait(timeout=150) == 0, (tmp_path / "first.log").read_text()[-3000:]
+
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((latest / "sao_state.json").read_text())
+    assert latest.name == f"step-{TOTAL // 3:08d}"
+    assert state["handled"] == TOTAL + 1 and state["offsets"] == {"0": TOTAL + 1}
+    # The rewritten state still vouches for the unchanged files: the resume trusts it, and has nothing to redo.
+    second = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, "--resume"), capture_output=True,
+                            text=True, timeout=150)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert list(dead_letters(kafka_bootstrap, f"{prefix}.dlq")) == ["garbage"]
