@@ -86,8 +86,9 @@ def update_checkpoint_state(directory: Path, state: TrainerState) -> None:
     if tag != f"step-{state.step:08d}":
         raise RuntimeError(f"{directory / _LATEST_FILE} names {tag!r}, not step {state.step}: only the state of "
                            "the checkpoint of the current step may be rewritten")
-    _, recorded = verify_checkpoint(directory)
-    _write_atomically(directory / tag / _STATE_FILE, json.dumps({**asdict(state), "files": recorded["files"]}))
+    # The hashes are copied, not recomputed: a resume still checks the files against them.
+    files = json.loads((directory / tag / _STATE_FILE).read_text())["files"]
+    _write_atomically(directory / tag / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
 
 
 def has_checkpoint(directory: Path) -> bool:
