@@ -390,12 +390,16 @@ class Trainer:
         self.state.broker_cluster_id = self.broker_watch.cluster_id
         # Buffered trajectories will be re-read after a resume, so they must not count as seen.
         self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
-        self.state.handled = self._handled() - len(self.buffer)
+        self.state.handled = self._handled_and_settled()
+
+    def _handled_and_settled(self) -> int:
+        """Rank 0: handled, less what is still buffered (a resume reads that again): what a checkpoint counts."""
+        return self._handled() - len(self.buffer)
 
     def _handled_since_checkpoint(self) -> bool:
         """Rank 0: messages were handled (dead-lettered: no step came after) since the last checkpoint."""
         return (self.is_leader and has_checkpoint(self.run_dir.checkpoints)
-                and self._handled() - len(self.buffer) > self.state.handled)
+                and self._handled_and_settled() > self.state.handled)
 
     def _record_dead_letters(self) -> None:
         """Rank 0, at a stop with no step since the last checkpoint: bring its offsets and counts up to date.
