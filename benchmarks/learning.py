@@ -1,6 +1,7 @@
 """Does the default run learn? `sao run` once per seed; held-out first-try success before vs after.
 
-    python benchmarks/learning.py [--seeds 0 1 2] [--runs-dir runs/learning] [--json PATH] [-- extra sao run args]
+    python benchmarks/learning.py [--seeds 0 1 2] [--contended 2] [--runs-dir runs/learning] [--json PATH]
+                                  [-- extra sao run args]
 
 Each seed is a whole default run (`env.seed` changes the training stream; everything else is the
 default config unless extra arguments follow `--`). Each run ends by scoring the base model and
@@ -14,6 +15,10 @@ gains / sqrt(seeds): the run's own randomness) and over tasks (sqrt(sum of squar
 errors) / seeds). Every seed is scored on the same held-out tasks, so the task error does not
 shrink with more seeds; the base model's scores come from the held-out cache after the first run.
 Second tries over seeds: their mean with its error across seeds, and how many seeds beat the base.
+Runs with shadow validation also report the version it kept (best on the validation slice), its
+held-out gain, drops and rollbacks. `--contended N` runs N seeds at a time, sharing the cores as
+a busy machine would; the spread then matters more than the mean: the worst gain (final and kept)
+and the share of runs below zero are printed beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sao.stats import mean, stderr
@@ -32,7 +38,8 @@ KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", 
         "reward_last_version", "trajectories_trained", "staleness_mean", "importance_ratio_abs_dev_mean",
         "heldout_second_try_base", "heldout_second_try_base_n", "heldout_second_try_final",
         "heldout_second_try_final_stderr", "heldout_second_try_n", "heldout_second_try_penalised_base",
-        "heldout_second_try_penalised_final")
+        "heldout_second_try_penalised_final", "kept_version", "heldout_kept", "heldout_kept_gain",
+        "heldout_kept_gain_stderr", "shadow_drops", "policy_version")
 
 
 def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
@@ -45,7 +52,9 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     if summary.get("heldout_gain") is None:
         raise SystemExit(f"seed {seed}: {run_dir}/summary.json has no held-out figures (is run.heldout_eval off?)")
+    steps = json.loads((run_dir / "status" / "trainer.json").read_text()).get("steps") or [{}]
     return {"seed": seed, "wall_s": time.perf_counter() - started, "run_dir": str(run_dir),
+            "rollbacks": len(summary.get("rollbacks") or []), "kl_end": steps[-1].get("kl_k3"),
             **{key: summary.get(key) for key in KEYS}}
 
 
@@ -60,7 +69,19 @@ def over_seeds(results: list[dict]) -> dict:
             "gain": mean(gains), "gain_stderr_seeds": stderr(gains),
             "gain_stderr_tasks": None if None in errors else sum(e ** 2 for e in errors) ** 0.5 / len(errors),
             "base": sum(r["heldout_base"] for r in results) / len(results),
-            "positive": sum(g > 0 for g in gains), "seeds": len(results)}
+            "positive": sum(g > 0 for g in gains), "seeds": len(results),
+            "worst_gain": min(gains), "below_zero": sum(g < 0 for g in gains) / len(gains),
+            **_kept_over_seeds(results)}
+
+
+def _kept_over_seeds(results: list[dict]) -> dict:
+    """The kept (best) versions' gains over seeds, where shadow validation ran."""
+    kept = [r["heldout_kept_gain"] for r in results if r.get("heldout_kept_gain") is not None]
+    if not kept:
+        return {}
+    return {"kept_gain": mean(kept), "kept_gain_stderr_seeds": stderr(kept), "kept_worst_gain": min(kept),
+            "kept_below_zero": sum(g < 0 for g in kept) / len(kept), "kept_runs": len(kept),
+            "rollbacks": sum(r["rollbacks"] for r in results)}
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -72,16 +93,19 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/learning"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--contended", type=int, default=1, help="Seeds run at a time (2: two runs share the cores).")
     parser.add_argument("extra", nargs="*", help="arguments passed on to `sao run` (after --)")
     args = parser.parse_args()
 
     from rich.console import Console
     from rich.table import Table
 
-    results = [run_seed(seed, args.runs_dir, args.extra) for seed in args.seeds]
+    with ThreadPoolExecutor(max_workers=args.contended) as pool:
+        results = list(pool.map(lambda seed: run_seed(seed, args.runs_dir, args.extra), args.seeds))
     table = Table(title="default run: greedy first-try success on held-out tasks, base model vs final version")
     for column in ("seed", "n", "base", "final", "gain ± s.e.", "second try: base -> final (n)",
-                   "no new answer: base -> final", "reward v first/last", "staleness", "|rho-1|", "wall s"):
+                   "no new answer: base -> final", "kept v: gain ± s.e.", "drops/rollbacks", "KL end",
+                   "reward v first/last", "staleness", "|rho-1|", "wall s"):
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(str(r["seed"]), str(r["heldout_n"]), f"{r['heldout_base']:.3f}", f"{r['heldout_final']:.3f}",
@@ -90,6 +114,10 @@ def main() -> None:
                       f"{_fmt(r['heldout_second_try_final_stderr'], '.3f')} ({r['heldout_second_try_n']})",
                       f"{_fmt(r['heldout_second_try_penalised_base'], '.2f')} -> "
                       f"{_fmt(r['heldout_second_try_penalised_final'], '.2f')}",
+                      "-" if r["kept_version"] is None else
+                      f"v{r['kept_version']}/{r['policy_version']}: {r['heldout_kept_gain']:+.3f} ± "
+                      f"{_fmt(r['heldout_kept_gain_stderr'], '.3f')}",
+                      f"{r['shadow_drops'] or 0}/{r['rollbacks']}", _fmt(r["kl_end"], ".4f"),
                       f"{_fmt(r['reward_first_version'], '.2f')}/{_fmt(r['reward_last_version'], '.2f')}",
                       _fmt(r["staleness_mean"], ".2f"), _fmt(r["importance_ratio_abs_dev_mean"], ".3f"),
                       f"{r['wall_s']:.0f}")
@@ -100,7 +128,13 @@ def main() -> None:
     console.print(f"mean held-out gain {total['gain']:+.3f} over {total['seeds']} seeds: ± {_fmt(seeds_se, '.3f')} "
                   f"across seeds ({_fmt(total['gain'] / seeds_se if seeds_se else None, '.1f')} s.e.), "
                   f"± {_fmt(tasks_se, '.3f')} over tasks; base {total['base']:.3f}; "
-                  f"gain > 0 in {total['positive']} of {total['seeds']}")
+                  f"gain > 0 in {total['positive']} of {total['seeds']}; worst {total['worst_gain']:+.3f}, "
+                  f"{total['below_zero']:.0%} of runs below zero")
+    if "kept_gain" in total:
+        console.print(f"kept (best) version: mean gain {total['kept_gain']:+.3f} ± "
+                      f"{_fmt(total['kept_gain_stderr_seeds'], '.3f')} across {total['kept_runs']} runs; worst "
+                      f"{total['kept_worst_gain']:+.3f}, {total['kept_below_zero']:.0%} below zero; "
+                      f"{total['rollbacks']} rollbacks")
     console.print(f"mean held-out second-try success {_fmt(total['second_try'], '.3f')} ± "
                   f"{_fmt(total['second_try_stderr_seeds'], '.3f')} across seeds; base "
                   f"{_fmt(total['second_try_base'], '.3f')}; above it in {total['second_try_above_base']} of "

@@ -304,7 +304,9 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
 @app.command("eval")
 def eval_(config: ConfigOpt = None, set_: SetOpt = None,
           run_dir: Annotated[Path, typer.Option(help="Run directory whose policy/ holds the versions.")] = Path("runs/trainer"),
-          version: Annotated[int, typer.Option(help="Policy version to score (0 = the base model).")] = 0,
+          version: Annotated[str, typer.Option(
+              help="Policy version to score: N (0 = the base model) or `best`, the version shadow validation "
+                   "kept (RUN_DIR/shadow/board.json).")] = "0",
           num_tasks: Annotated[int, typer.Option(help="Distinct held-out tasks to score, at most.")] = 32,
           greedy: Annotated[bool, typer.Option(help="Greedy actions (default) or sampled at policy.temperature.")] = True,
           baseline: Annotated[int | None, typer.Option(
@@ -314,9 +316,10 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
     """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
     cfg = _config(config, set_)
-    from sao.sampler.evaluation import compare, evaluate
+    from sao.sampler.evaluation import best_version, compare, evaluate
 
     try:
+        version = best_version(run_dir) if version == "best" else _version_number(version)
         if baseline is None:
             result = evaluate(cfg, run_dir, version, num_tasks, greedy)
             keys = ("tasks", "first_try_success", "first_try_stderr", "second_try_success", "second_try_stderr",
@@ -337,6 +340,23 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
         value = result[key]
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     Console().print(table)
+
+
+def _version_number(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"--version must be a version number or `best`, not {text!r}")
+    return int(text)
+
+
+@app.command()
+def shadow(config: ConfigOpt = None, set_: SetOpt = None,
+           run_dir: Annotated[Path, typer.Option(help="The trainer's run directory.")] = Path("runs/trainer")) -> None:
+    """Score the policy versions the trainer asks for on the validation slice (the trainer starts it)."""
+    _setup_logging()
+    cfg = _config(config, set_)
+    from sao.sampler.shadow import serve
+
+    serve(cfg, run_dir)
 
 
 # The benchmarks live beside the package in the repository (an editable install); a wheel has none.

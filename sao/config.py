@@ -270,9 +270,21 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(100, ge=1, description="Save a DeepSpeed checkpoint + offsets every N steps.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: run forever).")
     keep_versions: int = Field(3, ge=1, description="Published weight files kept on disk (shadow models for sao eval).")
-    eval_every: int = Field(0, ge=0, description="Score every Nth published version on held-out tasks in a "
-                                                 "background `sao eval` process (results in RUN_DIR/eval/); 0 = off.")
-    eval_tasks: int = Field(32, ge=1, description="Held-out tasks per background evaluation.")
+    shadow_every: int = Field(
+        2, ge=0, description="Shadow validation: score a published version at most every this many versions, greedily "
+                             "and first try only, on a fixed validation slice of the env's held-out split (disjoint "
+                             "from the tasks the run's final comparison is scored on), in a background process that "
+                             "training never waits for; a version is skipped while the scorer is busy. The best scored "
+                             "version is kept (RUN_DIR/policy/best). 0 = off.")
+    shadow_tasks: int = Field(
+        48, ge=1, description="Distinct validation tasks each shadow score uses: the held-out tasks that follow the "
+                              "run.heldout_cap the final comparison uses.")
+    shadow_margin: float = Field(
+        2.0, gt=0, description="A scored version whose success is below the best's by more than this many standard "
+                               "errors of their paired difference has dropped: an alert, and with rollback a restore.")
+    rollback: bool = Field(
+        True, description="On a drop (see shadow_margin), restore the best version's weights and optimizer state and "
+                          "go on training from there, publishing them as a new version.")
     fused_adamw: bool = Field(
         True, description="torch AdamW's fused kernel: one pass over the weights per step instead of several (on CPU, "
                           "1 thread, 135M parameters: 0.14 s vs 1.05 s with foreach; the same update).")
@@ -301,6 +313,15 @@ class TrainerConfig(Section):
 
 
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_retired_knobs(cls, data: Any) -> Any:
+        retired = {"eval_every": "shadow_every", "eval_tasks": "shadow_tasks"}
+        for old, new in retired.items():
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"trainer.{old} is retired: shadow validation replaces it (trainer.{new})")
+        return data
 
     @model_validator(mode="after")
     def _threads_positive(self) -> TrainerConfig:
@@ -342,9 +363,10 @@ class RunConfig(Section):
         True, description="After training, score the base model (v0) and the final version greedily on the same "
                           "held-out tasks (the env's eval split, never trained on); their paired first-try gain "
                           "leads summary.json. false: skip it (tests, quick runs).")
-    heldout_cap: int = Field(128, ge=1, description="Distinct held-out tasks scored at most (the default domain "
-                                                    "has 129).")
-    heldout_batch: int = Field(16, ge=1, description="Held-out episodes run side by side (one batched forward per "
+    heldout_cap: int = Field(80, ge=1, description="Distinct held-out tasks the final comparison scores at most: the "
+                                                   "first ones of the env's eval split. trainer.shadow_tasks follow "
+                                                   "them (the default arithmetic domain holds 129).")
+    heldout_batch: int = Field(64, ge=1, description="Held-out episodes run side by side (one batched forward per "
                                                      "token) during that evaluation.")
     heldout_cache_dir: str | None = Field(
         "~/.cache/sao/heldout", description="Where the base model's held-out results are kept, per model, settings "

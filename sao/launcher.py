@@ -115,11 +115,14 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
         return
     from sao.sampler.evaluation import compare  # torch and the model load only when a run gets here
 
+    kept = _kept_version(run_dir)
+
     console.print(f"held-out evaluation: base model v0 vs final v{final} on up to {config.run.heldout_cap} "
                   "tasks never trained on (greedy; Ctrl-C skips it) ...")
     try:
         # The trainer and samplers have exited: their CPU threads are free for this.
-        result = compare(config, run_dir.root, final, threads=config.sampler.num_samplers * config.sampler.torch_threads)
+        result = compare(config, run_dir.root, final, threads=config.sampler.num_samplers * config.sampler.torch_threads,
+                         kept=kept)
     except KeyboardInterrupt:
         console.print("[yellow]held-out evaluation interrupted: the summary has no held-out figures[/]")
         return
@@ -134,6 +137,10 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
     console.print(f"held-out first-try success: v0 {result['heldout_base']:.3f} -> v{final} "
                   f"{result['heldout_final']:.3f} on {result['heldout_n']} tasks{cached}, in "
                   f"{result['base_seconds'] + result['final_seconds']:.0f} s")
+    if kept is not None and kept != final:
+        console.print(f"kept by shadow validation: v{kept}, held-out first-try success {result['heldout_kept']:.3f}, "
+                      f"gain {result['heldout_kept_gain']:+.3f} ± {result['heldout_kept_gain_stderr'] or 0:.3f} "
+                      f"over the base (RUN_DIR/policy/best)")
     base = _rate(result["heldout_second_try_base"], result["heldout_second_try_base_stderr"],
                  result["heldout_second_try_base_n"])
     final_rate = _rate(result["heldout_second_try_final"], result["heldout_second_try_final_stderr"],
@@ -145,6 +152,14 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
         console.print(f"held-out second attempts with no new answer (penalised): v0 "
                       f"{_rate(base_penalised, None, result['heldout_second_try_base_n'])} -> v{final} "
                       f"{_rate(final_penalised, None, result['heldout_second_try_n'])}")
+
+
+def _kept_version(run_dir: RunDir) -> int | None:
+    """The version shadow validation kept (RUN_DIR/shadow/board.json), None without one."""
+    try:
+        return int(json.loads(run_dir.shadow_board.read_text())["best"]["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _rate(value: float | None, error: float | None, n: int) -> str:

@@ -216,6 +216,32 @@ def export_trainer_step(record: StepRecord) -> None:
         TRAINER_SAMPLING_TO_TRAINING.observe(max(0.0, delay))
 
 
+# --- shadow validation (sao/trainer/shadow.py; exported by the trainer) ----------------------------
+POLICY_HELDOUT_SUCCESS = Gauge(
+    "sao_policy_heldout_success", "Shadow validation: greedy first-try success of a published version on the "
+                                  "validation slice of held-out tasks.", ["version"])
+SHADOW_BEST_VERSION = Gauge("sao_shadow_best_version", "The best version shadow validation has scored (the kept one).")
+SHADOW_DROPS = Counter(
+    "sao_shadow_drops_total", "Scored versions that fell below the best by more than trainer.shadow_margin standard "
+                              "errors: each one fires the ShadowValidationDrop alert.")
+TRAINER_ROLLBACKS = Counter(
+    "sao_trainer_rollbacks_total", "Times the trainer restored the best version's weights and optimizer state.")
+
+
+def record_shadow_score(version: int, success: float, best: int | None) -> None:
+    POLICY_HELDOUT_SUCCESS.labels(version=str(version)).set(success)
+    if best is not None:
+        SHADOW_BEST_VERSION.set(best)
+
+
+def record_shadow_drop() -> None:
+    SHADOW_DROPS.inc()
+
+
+def record_rollback() -> None:
+    TRAINER_ROLLBACKS.inc()
+
+
 def record_policy_published(version: int) -> None:
     """The trainer announced policy `version`."""
     TRAINER_POLICY_VERSION.set(version)

@@ -78,6 +78,8 @@ def _throughput(steps: list[StepRecord]) -> tuple[list[float], list[float], list
 # --- summary ---------------------------------------------------------------------------------
 
 HELDOUT_KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n")
+# The version shadow validation kept as best, scored on the same held-out tasks (sao/trainer/shadow.py).
+KEPT_KEYS = ("kept_version", "heldout_kept", "heldout_kept_gain", "heldout_kept_gain_stderr")
 # Held-out second-try success: right at the second attempt, among the tasks whose first attempt
 # failed; each version has its own n (its own first-try failures), so the two are not paired.
 SECOND_TRY_KEYS = ("heldout_second_try_base", "heldout_second_try_base_stderr", "heldout_second_try_base_n",
@@ -127,7 +129,14 @@ def _heldout_figures(layout: RunDir) -> dict[str, Any]:
         result = json.loads(layout.heldout.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         result = {}
-    return {key: result.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS}
+    return {key: result.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS + KEPT_KEYS}
+
+
+def shadow_figures(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Shadow validation's board as the trainer left it: scores by version, the best, drops, rollbacks."""
+    board = trainer.get("shadow") or {}
+    return {"shadow_scores": board.get("scores"), "shadow_best": board.get("best"),
+            "shadow_drops": len(board.get("drops") or []), "rollbacks": board.get("rollbacks") or []}
 
 
 ROLES = ("trainer", "samplers", "broker", "launcher")
@@ -174,6 +183,7 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
     by_version = reward_by_version(steps)
     return {
         **_heldout_figures(layout),
+        **shadow_figures(trainer),
         "reward_first_version": by_version[0]["mean"] if by_version else None,
         "reward_last_version": by_version[-1]["mean"] if by_version else None,
         "reward_by_version": by_version,
@@ -300,6 +310,11 @@ def _plot_reward(steps: list[StepRecord], summary: dict[str, Any], plots_dir: Pa
         if base is not None and final is not None:
             ax.plot([0, summary.get("policy_version") or max(versions)], [base, final], "s--", color="black",
                     label=f"held-out first-try success, greedy (n={summary.get('heldout_n')})")
+        scored = summary.get("shadow_scores") or {}
+        if scored:
+            shown = sorted((int(v), figures["success"]) for v, figures in scored.items())
+            ax.plot([v for v, _ in shown], [success for _, success in shown], "^:", color="tab:green",
+                    label=f"shadow validation, greedy first try (n={next(iter(scored.values()))['n']})")
         ax.set_xlabel("behaviour version (policy that sampled the trajectory)")
         ax.legend(loc="best", fontsize="small")
     else:
@@ -353,7 +368,25 @@ def _heldout_sentence(summary: dict[str, Any]) -> str:
     verdict = ("beyond two, so unlikely to come from the choice of tasks alone" if abs(ratio) > 2
                else "within two, so not distinguishable from no change on these tasks")
     return (f"{text}: {ratio:+.1f} standard errors, {verdict}. The error covers the tasks, not the run's own "
-            "randomness: compare seeds (benchmarks/learning.py) before trusting a small gain.")
+            "randomness: compare seeds (benchmarks/learning.py) before trusting a small gain." + _kept_sentence(summary))
+
+
+def _kept_sentence(summary: dict[str, Any]) -> str:
+    """What shadow validation kept, and whether it had to roll back."""
+    best = summary.get("shadow_best")
+    if not best:
+        return ""
+    text = (f" Shadow validation kept v{best['version']} (validation success {_fmt(best['success'])}, "
+            f"n={best['n']}; RUN_DIR/policy/best)")
+    if summary.get("kept_version") is not None and summary.get("heldout_kept_gain") is not None:
+        text += (f": on the held-out tasks above, {_fmt(summary['heldout_kept'])}, a paired gain of "
+                 f"{_fmt(summary['heldout_kept_gain'])} ± {_fmt(summary['heldout_kept_gain_stderr'])}")
+    drops, rollbacks = summary.get("shadow_drops") or 0, summary.get("rollbacks") or []
+    if drops:
+        text += (f". {drops} scored version(s) fell below the best beyond the margin (alert fired); "
+                 + (", ".join(f"rolled back from v{r['from_version']} to v{r['to_version']} at step {r['step']}"
+                              for r in rollbacks) or "no rollback"))
+    return text + "."
 
 
 def _cpu_lines(summary: dict[str, Any]) -> list[str]:

@@ -9,7 +9,9 @@ RUN_DIR/
   policy/policy-vNNNNNN.safetensors (+ .json sidecar with its sha256): the last kept versions
   checkpoints/           DeepSpeed checkpoints with sao's state (sao/trainer/checkpoint.py)
   trained.jsonl          the ledger: which trajectories each optimizer step trained on
-  eval/vNNNNNN.json      `sao eval` results (eval/heldout.json: base vs final version, paired)
+  eval/vNNNNNN.json      `sao eval` results (eval/heldout.json: base vs final and kept versions, paired)
+  shadow/                shadow validation: request.json (the version to score next), vNNNNNN.json (its
+                         scores), board.json (every score, the best version, drops and rollbacks)
 ```
 """
 
@@ -45,6 +47,10 @@ class RunDir:
     ledger = _at("trained.jsonl")
     policy_dir = _at("policy")
     heldout = _at("eval", "heldout.json")  # the paired held-out comparison that ends `sao run`
+    shadow_dir = _at("shadow")
+    shadow_request = _at("shadow", "request.json")  # trainer -> scorer: the one version to score next
+    shadow_board = _at("shadow", "board.json")  # trainer: every score, the best version, drops, rollbacks
+    best_weights = _at("policy", "best")  # a link to the best version's weights file (none while v0 is best)
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
@@ -69,6 +75,9 @@ class RunDir:
 
     def eval_result(self, version: int) -> Path:
         return self.root / "eval" / f"v{version:06d}.json"
+
+    def shadow_result(self, version: int) -> Path:
+        return self.shadow_dir / f"v{version:06d}.json"
 
     def checkpoint_state(self, tag: str) -> Path:
         """sao's state of checkpoint `tag` (step, offsets, Kafka cluster id), JSON; see sao/trainer/checkpoint.py."""

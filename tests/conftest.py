@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from sao.transport.broker import EmbeddedBroker
+
+# Shadow validation (on by default) starts a scorer process beside every trainer and scores the final
+# version before the trainer exits: seconds the many tiny-model trainer tests would each pay for
+# nothing (a random policy scores 0). The env var reaches their subprocesses; the tests of shadow
+# validation turn it on with --set, which outranks it.
+os.environ.setdefault("SAO__TRAINER__SHADOW_EVERY", "0")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,8 @@ def test_sao_run_trains_through_kafka(tmp_path):
                "--set", "policy.max_new_tokens=8", "--set", "run.timeout_s=400",
                # The end-of-run held-out comparison on a few tasks, its base-model cache in the test's folder.
                "--set", "run.heldout_cap=3", "--set", f"run.heldout_cache_dir=\"{tmp_path / 'heldout-cache'}\"",
+               # Shadow validation on (the suite turns it off by default), on a slice after those 3 tasks.
+               "--set", "trainer.shadow_every=1", "--set", "trainer.shadow_tasks=3",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -57,6 +59,13 @@ def test_sao_run_trains_through_kafka(tmp_path):
     assert list((tmp_path / "heldout-cache").glob("*.json"))  # the next run skips the base model
     # Sampled rewards by behaviour version, against another source: the samplers add up the reward
     # of what they produce; with nothing dropped, the versions' groups hold exactly those trajectories.
+    # Shadow validation scored the base model and the final version (at least) on its own 3 tasks, and
+    # kept the best one; a random tiny policy never drops, so nothing was rolled back.
+    board = json.loads((run_dir / "shadow" / "board.json").read_text())
+    assert {"0", str(summary["policy_version"])} <= set(board["scores"])
+    assert all(score["n"] == 3 for score in board["scores"].values())
+    assert summary["shadow_best"]["version"] == board["best"]["version"] == heldout["kept_version"]
+    assert summary["rollbacks"] == []
     groups = summary["reward_by_version"]
     assert sum(g["n"] for g in groups) == tasks and [g["version"] for g in groups] == sorted({g["version"] for g in groups})
     assert (summary["reward_first_version"], summary["reward_last_version"]) == (groups[0]["mean"], groups[-1]["mean"])

@@ -145,22 +145,29 @@ class MemoryPolicy(nn.Module):
                       logits_to_keep=1)
         tokens: list[list[int]] = [[] for _ in steps]
         logprobs: list[list[float]] = [[] for _ in steps]
-        active = torch.ones(len(steps), dtype=torch.bool)
+        live = list(range(len(steps)))  # original row of each row still in the batch
         next_position = lengths.clone().to(device)
         for _ in range(max_new_tokens):
             step_logprobs = nucleus(F.log_softmax(out.logits[:, -1].float() / temperature, dim=-1), top_p).cpu()
             chosen = step_logprobs.argmax(dim=-1) if greedy else \
                 torch.multinomial(step_logprobs.exp(), 1, generator=generator).squeeze(-1)
-            for row in active.nonzero().flatten().tolist():
-                token = int(chosen[row])
+            going = []
+            for batch_row, row in enumerate(live):
+                token = int(chosen[batch_row])
                 tokens[row].append(token)
-                logprobs[row].append(float(step_logprobs[row, token]))
-                if stop.ends(tokens[row]):
-                    active[row] = False
-            if not active.any():
+                logprobs[row].append(float(step_logprobs[batch_row, token]))
+                if not stop.ends(tokens[row]):
+                    going.append(batch_row)
+            if not going:
                 break
-            # Finished rows keep stepping (one batch), but their new positions are masked out.
-            attention = torch.cat([attention, active.long().unsqueeze(1).to(device)], dim=1)
+            if len(going) < len(live):
+                # Finished rows leave the batch (and the KV cache): the remaining rows compute only
+                # for themselves, which is most of the saving when answers differ in length.
+                keep = torch.tensor(going, device=device)
+                out.cache.batch_select_indices(keep)
+                attention, next_position, chosen = attention[keep], next_position[keep], chosen[keep.cpu()]
+                live = [live[batch_row] for batch_row in going]
+            attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
             out = self.lm(input_ids=chosen.unsqueeze(1).to(device), attention_mask=attention,
                           position_ids=next_position.unsqueeze(1), cache=out.cache, use_cache=True)
             next_position = next_position + 1

@@ -47,16 +47,41 @@ def weights_of(run_dir: Path, version: int) -> tuple[Path, str]:
     return run_dir.weights(version), json.loads(sidecar.read_text())["sha256"]
 
 
-def heldout_tasks(config: SaoConfig, cap: int) -> list[Task]:
-    """The first `cap` tasks of the eval split, each distinct task once.
+def _distinct_eval_tasks(config: SaoConfig, count: int) -> list[Task]:
+    """The first distinct tasks among the eval split's first `count`, in split order.
 
     A small split repeats itself (arithmetic's default domain after 129 tasks, humaneval's after
     33); a task is what its spec asks, whatever its id.
     """
     distinct: dict[str, Task] = {}
-    for task in make_tasks(config.env, cap, split="eval"):
+    for task in make_tasks(config.env, count, split="eval"):
         distinct.setdefault(json.dumps(task.spec, sort_keys=True, default=str), task)
     return list(distinct.values())
+
+
+def best_version(run_dir: Path) -> int:
+    """The version shadow validation kept as best (RUN_DIR/shadow/board.json)."""
+    board = RunDir(run_dir).shadow_board
+    if not board.is_file():
+        raise FileNotFoundError(f"{board} does not exist: the run had no shadow validation (trainer.shadow_every = 0)")
+    best = json.loads(board.read_text()).get("best")
+    if not best:
+        raise ValueError(f"{board} names no best version: no version was scored")
+    return int(best["version"])
+
+
+def heldout_tasks(config: SaoConfig, cap: int) -> list[Task]:
+    """The first `cap` tasks of the eval split, each distinct task once: what the final comparison scores."""
+    return _distinct_eval_tasks(config, cap)
+
+
+def validation_tasks(config: SaoConfig) -> list[Task]:
+    """Shadow validation's slice: up to `trainer.shadow_tasks` distinct eval tasks after the first
+    `run.heldout_cap`, so picking the best version never sees the tasks it is then judged on."""
+    cap = config.run.heldout_cap
+    tested = {task.task_id for task in heldout_tasks(config, cap)}
+    after = _distinct_eval_tasks(config, cap + config.trainer.shadow_tasks)
+    return [task for task in after if task.task_id not in tested][:config.trainer.shadow_tasks]
 
 
 class Scorer:
@@ -178,15 +203,17 @@ def _store_base(path: Path | None, scores: TaskScores) -> None:
 
 
 def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, cap: int | None = None,
-            threads: int | None = None) -> dict:
+            threads: int | None = None, kept: int | None = None) -> dict:
     """Score `baseline` and `version` greedily on the same held-out tasks; the paired first-try gain,
     and each version's second-try success (with its own n, among its own first-try failures).
 
+    `kept`, the version shadow validation kept as best, is scored too when it is another one, and
+    its paired gain over `baseline` reported beside the final version's (`heldout_kept_*`).
     The base model's scores (baseline 0) come from the cache when it holds them. Tasks on which
-    the env failed in either version are left out of the pairing. Writes RUN_DIR/eval/heldout.json.
+    the env failed in any version are left out of the pairing. Writes RUN_DIR/eval/heldout.json.
     """
     started = time.perf_counter()
-    for needed in {baseline, version} - {0}:
+    for needed in {baseline, version, kept or 0} - {0}:
         weights_of(run_dir, needed)  # a pruned version fails now, not after scoring the other one
     tasks = heldout_tasks(config, cap or config.run.heldout_cap)
     scorer = Scorer(config, run_dir, threads=threads)
@@ -198,8 +225,13 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
         if not base_failures:
             _store_base(cache, base)
     base_s = time.perf_counter() - started
+    # The kept version is scored before the final one only to load versions in the order they were made.
+    kept_scores = None
+    if kept is not None and kept not in (baseline, version):
+        kept_scores = base if kept == 0 else scorer.score(kept, tasks)[0]
     final, _ = scorer.score(version, tasks)
-    paired = [task.task_id for task in tasks if task.task_id in base and task.task_id in final]
+    paired = [task.task_id for task in tasks if task.task_id in base and task.task_id in final
+              and (kept_scores is None or task.task_id in kept_scores)]
     gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [final[t]["first_try"] for t in paired])
     reward_gain, reward_stderr = paired_gain([base[t]["reward"] for t in paired], [final[t]["reward"] for t in paired])
     base_second, final_second = second_tries(base, paired), second_tries(final, paired)
@@ -218,9 +250,21 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
         "heldout_second_try_penalised_final": mean(second_tries(final, paired, "second_penalised")),
         "base_version": baseline, "final_version": version, "tasks": len(tasks), "base_cached": base_cached,
         "base_seconds": base_s, "final_seconds": time.perf_counter() - started - base_s,
+        **_kept_figures(kept, version, base, final, kept_scores, paired),
         "per_task": {t: {"base": base[t], "final": final[t]} for t in paired},
     }
     out = RunDir(run_dir).heldout
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _kept_figures(kept: int | None, final_version: int, base: TaskScores, final: TaskScores,
+                  kept_scores: TaskScores | None, paired: list[str]) -> dict:
+    """The kept (best) version's first-try success and paired gain over the base, on the same tasks."""
+    if kept is None:
+        return {}
+    scores = final if kept == final_version else base if kept_scores is None else kept_scores
+    gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [scores[t]["first_try"] for t in paired])
+    return {"kept_version": kept, "heldout_kept": mean([scores[t]["first_try"] for t in paired]),
+            "heldout_kept_gain": gain, "heldout_kept_gain_stderr": gain_stderr}

@@ -11,8 +11,6 @@ import gc
 import json
 import logging
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +43,8 @@ from sao.trainer.checkpoint import (
 from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
 from sao.trainer.publisher import PolicyPublisher
+from sao.trainer.shadow import Drop, ShadowBoard, ShadowScorerProcess, link_best
+from sao.trainer.snapshots import OptimizerSnapshots
 from sao.trainer.training_step import StepOutcome, train_step
 from sao.trainer.trajectory_stream import TrajectoryStream
 from sao.trainer.validation import TrajectoryValidator
@@ -121,7 +121,12 @@ class Trainer:
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
         self.run_started: float | None = None  # perf_counter at the start of `run`
         self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
-        self.evaluations: list[subprocess.Popen] = []
+        # Shadow validation (sao/trainer/shadow.py): the scorer process and its board live on rank 0;
+        # every rank keeps its own optimizer snapshots of the versions a rollback may return to.
+        self.shadow: ShadowScorerProcess | None = None
+        self.board = ShadowBoard(config.trainer.shadow_margin)
+        self.snapshots = OptimizerSnapshots()
+        self.offered_version: int | None = None  # the last version handed to the scorer
         self.stopping = False
         self.finished = False
         signal.signal(signal.SIGTERM, self._stop)
@@ -163,6 +168,7 @@ class Trainer:
         checkpointed_at = self.state.step
         self.run_started = time.perf_counter()
         try:
+            self._start_shadow()
             while True:
                 waited = time.perf_counter()
                 entries = self._collect(expected_trajectories)  # rank 0 only; empty means stop
@@ -172,6 +178,7 @@ class Trainer:
                 self.idle_s += self.phase_s["wait"]
                 if stop:
                     break
+                self._follow_shadow()  # a version that fell below the best is rolled back before this step
                 trained_version = self.state.policy_version
                 outcome = self._train(batch, entries)  # what could not be trained on is dead-lettered
                 if outcome.applied:
@@ -190,6 +197,7 @@ class Trainer:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
             elif self._handled_since_checkpoint():
                 self._record_dead_letters()
+            self._finish_shadow()
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
             self.finished = self.is_leader and self._all_handled(expected_trajectories) and len(self.buffer) == 0
@@ -203,8 +211,8 @@ class Trainer:
                 self.dead_tasks.close()
                 self.producer.flush(10)
                 self.broker_watch.close()
-            for evaluation in self.evaluations:
-                evaluation.wait()  # their results belong to this run
+            if self.shadow is not None:
+                self.shadow.stop()
             shutdown()
         return self.status()
 
@@ -343,7 +351,7 @@ class Trainer:
 
     # --- after a step ---------------------------------------------------------------------
 
-    def _publish(self) -> None:
+    def _publish(self, offer_to_shadow: bool = True) -> None:
         started = time.perf_counter()
         self.state.policy_version += 1
         self.publisher.publish(self.engine, self.state.policy_version, self.state.step)
@@ -351,20 +359,130 @@ class Trainer:
         if self.is_leader:
             metrics.record_policy_published(self.state.policy_version)
         log.info("published policy v%d in %.1f s", self.state.policy_version, self.phase_s["publish"])
-        every = self.config.trainer.eval_every
-        if self.is_leader and every and self.state.policy_version % every == 0:
-            self._evaluate_in_background(self.state.policy_version)
+        if offer_to_shadow:
+            self._offer_to_shadow(self.state.policy_version)
 
-    def _evaluate_in_background(self, version: int) -> None:
-        """`sao eval` in its own process: training never waits for an evaluation."""
-        config_path = self.run_dir.trainer_config
-        config_path.write_text(to_toml(self.config))
-        log_path = self.run_dir.eval_log(version)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.evaluations.append(subprocess.Popen(
-            [sys.executable, "-m", "sao.cli", "eval", "--config", str(config_path), "--run-dir", str(self.run_dir.root),
-             "--version", str(version), "--num-tasks", str(self.config.trainer.eval_tasks)],
-            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT))
+    # --- shadow validation (sao/trainer/shadow.py) -------------------------------------------
+
+    def _from_leader(self, values: list[int]) -> list[int]:
+        """Rank 0's integers, on every rank (its decisions about the shadow are every rank's)."""
+        if world_size() == 1:
+            return values
+        agreed = torch.tensor(values, dtype=torch.long, device=self.engine.device)
+        dist.broadcast(agreed, src=0)
+        return agreed.tolist()
+
+    def _start_shadow(self) -> None:
+        if not self.config.trainer.shadow_every:
+            return
+        if self.is_leader:
+            self.run_dir.trainer_config.write_text(to_toml(self.config))
+            self.shadow = ShadowScorerProcess(self.run_dir, self.run_dir.trainer_config)
+        self._offer_to_shadow(self.state.policy_version)  # the base model, or where a resume starts
+
+    def _offer_to_shadow(self, version: int) -> None:
+        """Hand `version` to the scorer if it is idle and shadow_every versions have passed since the last one;
+        then snapshot the optimizer at it, so a rollback can return here."""
+        every = self.config.trainer.shadow_every
+        if not every:
+            return
+        due = self.offered_version is None or version - self.offered_version >= every
+        [offer] = self._from_leader([int(self.is_leader and due and self.shadow.idle)])
+        if not offer:
+            return
+        self.snapshots.take(self.engine, version)
+        self.offered_version = version
+        if self.is_leader:
+            self.shadow.request(version)
+            self._pin_kept_versions()
+
+    def _follow_shadow(self) -> None:
+        """Read a new score; on a drop below the best, alert and (trainer.rollback) return to the best version."""
+        if not self.config.trainer.shadow_every:
+            return
+        back_to, best, pending = -1, -1, -1
+        if self.is_leader:
+            score = self.shadow.poll()
+            if score is not None:
+                drop = self.board.add(score)
+                metrics.record_shadow_score(score.version, score.mean, self.board.best)
+                log.info("shadow: v%d first-try success %.3f ± %.3f (n %d); best v%d", score.version, score.mean,
+                         score.stderr or 0.0, score.n, self.board.best)
+                if drop is not None:
+                    back_to = self._alert(drop)
+                self._write_board()
+            best = -1 if self.board.best is None else self.board.best
+            pending = -1 if self.shadow.pending is None else self.shadow.pending
+        back_to, best, pending = self._from_leader([back_to, best, pending])
+        self.snapshots.keep_only({best, pending} - {-1})
+        if back_to >= 0:
+            self._roll_back(back_to)
+
+    def _alert(self, drop: Drop) -> int:
+        """Rank 0: log and count a drop; the version to roll back to, or -1."""
+        restorable = drop.best in self.snapshots
+        rolls_back = self.config.trainer.rollback and restorable
+        log.warning("ALERT shadow validation: v%d scored %.3f below the best, v%d (%.1f standard errors of the paired "
+                    "difference; margin %.1f); %s", drop.version, -drop.gap, drop.best,
+                    -drop.gap / drop.stderr if drop.stderr else float("inf"), self.config.trainer.shadow_margin,
+                    "rolling back to it" if rolls_back else
+                    "trainer.rollback is off" if not self.config.trainer.rollback else
+                    "not restorable in this life (no snapshot): training goes on")
+        metrics.record_shadow_drop()
+        return drop.best if rolls_back else -1
+
+    def _roll_back(self, version: int) -> None:
+        """Every rank: the best version's weights and optimizer state, published again as a new version."""
+        dropped_at = self.state.policy_version
+        self.snapshots.restore(self.engine, version)
+        self._publish(offer_to_shadow=False)
+        self.snapshots.relabel(version, self.state.policy_version)
+        if self.is_leader:
+            self.board.alias(self.state.policy_version, version)
+            event = {"step": self.state.step, "from_version": dropped_at, "to_version": version,
+                     "published_as": self.state.policy_version}
+            self.board.rollbacks.append(event)
+            self._ledger({"rollback": event})
+            metrics.record_rollback()
+            self._write_board()
+            log.warning("rolled back from v%d to v%d's weights and optimizer state, published as v%d", dropped_at,
+                        version, self.state.policy_version)
+
+    def _finish_shadow(self) -> None:
+        """Rank 0, after the last step: score the final version too, so the kept best is chosen among all."""
+        if self.shadow is None:
+            return
+        wait_s = 600.0
+        if self.shadow.pending is not None:
+            self._add_final_score(self.shadow.wait(wait_s))
+        final = self.state.policy_version
+        if final not in self.board.scores and self.shadow.pending is None:
+            self.shadow.request(final)
+            self._pin_kept_versions()
+            self._add_final_score(self.shadow.wait(wait_s))
+        self._write_board()
+        self.shadow.stop()
+
+    def _add_final_score(self, score) -> None:
+        if score is None:
+            return
+        drop = self.board.add(score)
+        metrics.record_shadow_score(score.version, score.mean, self.board.best)
+        if drop is not None:
+            log.warning("ALERT shadow validation: the final version v%d scored %.3f below the best, v%d; the run "
+                        "keeps v%d (RUN_DIR/policy/best)", drop.version, -drop.gap, drop.best, drop.best)
+            metrics.record_shadow_drop()
+
+    def _pin_kept_versions(self) -> None:
+        """The best and the pending version's files outlive trainer.keep_versions: the scorer and users read them."""
+        self.publisher.pinned = {v for v in (self.board.best, self.shadow.pending) if v}
+
+    def _write_board(self) -> None:
+        self._pin_kept_versions()
+        partial = self.run_dir.shadow_board.with_suffix(".tmp")
+        partial.write_text(json.dumps(self.board.to_json(), indent=1))
+        partial.replace(self.run_dir.shadow_board)
+        link_best(self.run_dir, self.board.best)
 
     def _safe_offsets(self) -> dict[int, int]:
         return self.stream.safe_offsets(self.buffer.low_water_marks())
@@ -438,6 +556,7 @@ class Trainer:
                 "task_dlq_reasons": self.dead_tasks.reasons(self.stream.seen_ids) if counters else {},
                 "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
                 "skipped_steps": self.skipped_steps,
+                "shadow": self.board.to_json() if self.is_leader and self.config.trainer.shadow_every else None,
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
                 **process_usage(), "idle_s": self.idle_s,

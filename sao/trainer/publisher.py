@@ -27,6 +27,7 @@ class PolicyPublisher:
         self.topic = topic
         self.run_dir = run_dir
         self.keep_versions = keep_versions
+        self.pinned: set[int] = set()  # versions kept beyond keep_versions (shadow validation's best and pending)
 
     def publish(self, engine, version: int, trainer_step: int) -> PolicyAnnouncement | None:
         """Collective: every rank must call it. Rank 0 writes and announces; others get None."""
@@ -46,6 +47,6 @@ class PolicyPublisher:
 
     def _prune(self, newest: int) -> None:
         for old in self.run_dir.kept_versions():
-            if old <= newest - self.keep_versions:
+            if old <= newest - self.keep_versions and old not in self.pinned:
                 self.run_dir.weights(old).unlink(missing_ok=True)
                 self.run_dir.weights_sidecar(old).unlink(missing_ok=True)

@@ -1,0 +1,72 @@
+"""The shadow scorer (`sao shadow`): scores the policy versions the trainer asks for, in the background.
+
+It loads the policy once and scores each requested version greedily, first try only, on the
+validation slice (`validation_tasks`: held-out tasks disjoint from those the run's final
+comparison uses), writing RUN_DIR/shadow/vNNNNNN.json. The trainer asks for one version at a
+time through RUN_DIR/shadow/request.json and decides what the scores mean (sao/trainer/shadow.py).
+The base model (v0) is scored first: the scorer loads later versions over it in place.
+It exits when its parent (the trainer) is gone or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from sao.config import SaoConfig
+from sao.run_dir import RunDir
+from sao.sampler.evaluation import Scorer, validation_tasks
+
+log = logging.getLogger(__name__)
+
+
+def serve(config: SaoConfig, run_dir: Path, poll_s: float = 0.2) -> None:
+    run_dir = RunDir(run_dir)
+    parent = os.getppid()
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    tasks = validation_tasks(config)
+    # First try only: what the run's headline measures, at half the cost of an episode with a retry.
+    first_try = config.model_copy(update={"env": config.env.model_copy(update={"max_turns": 1})})
+    scorer = Scorer(first_try, run_dir.root, threads=1, slots=len(tasks))
+    log.info("shadow scorer ready: %d validation tasks", len(tasks))
+    done: set[int] = set()
+    while not stopping and os.getppid() == parent:
+        version = _requested(run_dir)
+        if version is None or version in done:
+            time.sleep(poll_s)
+            continue
+        _write(run_dir, version, _score(scorer, version, tasks))
+        done.add(version)
+
+
+def _requested(run_dir: RunDir) -> int | None:
+    try:
+        return int(json.loads(run_dir.shadow_request.read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _score(scorer: Scorer, version: int, tasks) -> dict:
+    started = time.perf_counter()
+    try:
+        scores, failures = scorer.score(version, tasks)
+    except (OSError, ValueError, RuntimeError) as err:  # e.g. its file pruned, or a hash that does not match
+        log.warning("v%d could not be scored: %s", version, err)
+        return {"version": version, "error": str(err)}
+    seconds = time.perf_counter() - started
+    log.info("v%d: first-try success %.3f on %d validation tasks in %.1f s", version,
+             sum(s["first_try"] for s in scores.values()) / max(len(scores), 1), len(scores), seconds)
+    return {"version": version, "successes": {t: s["first_try"] for t, s in scores.items()},
+            "env_failures": len(failures), "seconds": seconds}
+
+
+def _write(run_dir: RunDir, version: int, result: dict) -> None:
+    path = run_dir.shadow_result(version)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(result))
+    partial.replace(path)  # the trainer never reads half a result

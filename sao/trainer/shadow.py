@@ -1,0 +1,174 @@
+"""Shadow validation, the trainer's side: which published version is best, and whether the newest fell.
+
+A background process (`sao shadow`, sao/sampler/shadow.py) scores the versions the trainer asks
+for, one at a time, on a fixed validation slice of held-out tasks; training never waits for it.
+The trainer asks whenever the scorer is idle and `trainer.shadow_every` versions have passed,
+snapshotting the optimizer at that version first (sao/trainer/snapshots.py), so any scored version
+can be returned to exactly. `ShadowBoard` keeps the scores: the best version (ties go to the
+later one), and a *drop* when a newer version is below the best by more than `shadow_margin`
+standard errors of their paired difference on the same tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sao.run_dir import RunDir
+from sao.stats import paired_gain, stderr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShadowScore:
+    """First-try success per validation task (1.0 or 0.0) of one version."""
+
+    version: int
+    successes: dict[str, float]
+    seconds: float = 0.0
+    same_as: int | None = None  # a version published with another's weights (a rollback): not scored again
+
+    @property
+    def n(self) -> int:
+        return len(self.successes)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.successes.values()) / self.n if self.n else float("nan")
+
+    @property
+    def stderr(self) -> float | None:
+        return stderr(list(self.successes.values()))
+
+
+@dataclass(frozen=True)
+class Drop:
+    """`version` scored below the best by `gap` (negative) with `stderr` the paired standard error."""
+
+    version: int
+    best: int
+    gap: float
+    stderr: float
+
+
+@dataclass
+class ShadowBoard:
+    margin: float
+    scores: dict[int, ShadowScore] = field(default_factory=dict)
+    best: int | None = None
+    drops: list[Drop] = field(default_factory=list)
+    rollbacks: list[dict] = field(default_factory=list)
+
+    def add(self, score: ShadowScore) -> Drop | None:
+        """Record a version's score; the Drop if it fell below the best by more than the margin."""
+        self.scores[score.version] = score
+        if self.best is None or score.mean >= self.scores[self.best].mean:
+            self.best = score.version
+            return None
+        best = self.scores[self.best]
+        shared = sorted(set(best.successes) & set(score.successes))
+        gap, error = paired_gain([best.successes[t] for t in shared], [score.successes[t] for t in shared])
+        if gap is None or error is None:
+            return None
+        # All tasks moving the same way leaves no spread: a certain drop, not an unmeasurable one.
+        if gap < 0 and (error == 0 or gap < -self.margin * error):
+            drop = Drop(score.version, self.best, gap, error)
+            self.drops.append(drop)
+            return drop
+        return None
+
+    def alias(self, version: int, same_as: int) -> None:
+        """`version` carries `same_as`'s weights (a rollback published them again): it takes its score."""
+        original = self.scores[same_as]
+        self.scores[version] = ShadowScore(version, original.successes, 0.0, same_as)
+        if self.best == same_as:
+            self.best = version
+
+    def to_json(self) -> dict:
+        def figures(score: ShadowScore) -> dict:
+            return {"success": score.mean, "stderr": score.stderr, "n": score.n, "seconds": score.seconds,
+                    "same_as": score.same_as}
+
+        best = self.scores[self.best] if self.best is not None else None
+        return {"margin": self.margin, "scores": {str(v): figures(s) for v, s in sorted(self.scores.items())},
+                "best": {"version": best.version, **figures(best)} if best else None,
+                "drops": [asdict(drop) for drop in self.drops], "rollbacks": self.rollbacks}
+
+
+class ShadowScorerProcess:
+    """Rank 0: starts `sao shadow`, hands it one version at a time, and reads back its scores."""
+
+    def __init__(self, run_dir: RunDir, config_path: Path):
+        self.run_dir = run_dir
+        run_dir.shadow_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.shadow_request.unlink(missing_ok=True)
+        self.pending: int | None = None  # the version asked for and not yet scored
+        log_path = run_dir.log("shadow")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Niced: it takes the CPU the samplers and the trainer leave, never theirs.
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "sao.cli", "shadow", "--config", str(config_path), "--run-dir", str(run_dir.root)],
+            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10))
+
+    @property
+    def idle(self) -> bool:
+        return self.pending is None
+
+    def request(self, version: int) -> None:
+        partial = self.run_dir.shadow_request.with_suffix(".tmp")
+        partial.write_text(json.dumps({"version": version}))
+        partial.replace(self.run_dir.shadow_request)  # the scorer never reads half a request
+        self.pending = version
+
+    def poll(self) -> ShadowScore | None:
+        """The pending version's score once written (a version the scorer could not load scores as nothing)."""
+        if self.pending is None:
+            return None
+        path = self.run_dir.shadow_result(self.pending)
+        if not path.is_file():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the shadow scorer exited with code {self.process.returncode}; see "
+                                   f"{self.run_dir.log('shadow')}")
+            return None
+        result = json.loads(path.read_text())
+        self.pending = None
+        if result.get("error"):
+            log.warning("shadow scorer could not score v%d: %s", result["version"], result["error"])
+            return None
+        return ShadowScore(result["version"], {t: float(s) for t, s in result["successes"].items()},
+                           result["seconds"])
+
+    def wait(self, timeout_s: float) -> ShadowScore | None:
+        """Block until the pending version is scored (at the end of training, when nothing else runs)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending is not None and time.monotonic() < deadline:
+            score = self.poll()
+            if score is not None or self.pending is None:
+                return score
+            time.sleep(0.2)
+        return None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def link_best(run_dir: RunDir, version: int | None) -> None:
+    """RUN_DIR/policy/best -> the best version's weights file; no link while the base model (v0) is best."""
+    link = run_dir.best_weights
+    link.unlink(missing_ok=True)
+    if version:
+        link.symlink_to(run_dir.weights(version).name)

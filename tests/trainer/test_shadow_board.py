@@ -1,0 +1,52 @@
+"""Shadow validation's verdicts (sao/trainer/shadow.py): the best version, and a drop only when the
+paired difference to the best is beyond the margin."""
+
+import pytest
+
+from sao.trainer.shadow import ShadowBoard, ShadowScore
+
+
+def score(version: int, successes: list[int]) -> ShadowScore:
+    return ShadowScore(version, {f"t{i}": float(s) for i, s in enumerate(successes)})
+
+
+def test_the_best_is_the_highest_score_and_a_tie_goes_to_the_later_version():
+    board = ShadowBoard(margin=2.0)
+    assert board.add(score(0, [1, 0, 0, 0])) is None
+    assert board.add(score(2, [1, 1, 0, 0])) is None
+    assert board.best == 2
+    assert board.add(score(4, [0, 1, 1, 0])) is None  # the same success: the later version is kept
+    assert board.best == 4
+
+
+def test_a_version_far_below_the_best_is_a_drop_and_one_within_noise_is_not():
+    board = ShadowBoard(margin=2.0)
+    board.add(score(0, [1] * 10 + [0] * 10))
+    # One task fewer right: within noise (gap -0.05, stderr 0.05).
+    assert board.add(score(2, [1] * 9 + [0] * 11)) is None
+    assert board.best == 0
+    drop = board.add(score(4, [0] * 20))  # every right answer lost
+    assert drop is not None and drop.best == 0 and drop.version == 4
+    assert drop.gap == pytest.approx(-0.5)
+    assert drop.gap < -2.0 * drop.stderr
+    assert board.drops == [drop]
+
+
+def test_the_difference_is_paired_on_the_tasks_both_versions_were_scored_on():
+    board = ShadowBoard(margin=2.0)
+    board.add(score(0, [1, 1, 1, 1]))
+    # Every shared task lost: no spread, a certain drop (not an unmeasurable one).
+    drop = board.add(ShadowScore(2, {"t0": 0.0, "t1": 0.0, "other": 1.0}))
+    assert drop is not None and drop.gap == -1.0 and drop.stderr == 0.0
+
+
+def test_a_rollback_alias_takes_the_best_score_and_becomes_the_best():
+    board = ShadowBoard(margin=2.0)
+    board.add(score(0, [1, 1, 0, 0]))
+    board.add(score(2, [0, 0, 0, 0]))
+    board.alias(3, same_as=0)
+    assert board.best == 3
+    assert board.scores[3].mean == board.scores[0].mean and board.scores[3].same_as == 0
+    summary = board.to_json()
+    assert summary["best"]["version"] == 3 and summary["best"]["same_as"] == 0
+    assert summary["scores"]["2"]["success"] == 0.0
