@@ -142,3 +142,11 @@ QUOTED_DEFAULTS = [
 def test_a_default_the_readme_quotes_is_the_config_s_default(claim, field, value):
     assert claim in " ".join(README.read_text().split()), f"README no longer says {claim!r}: update this test"
     assert _default(field) == value, f"README says {claim!r}, but {field} defaults to {_default(field)!r}"
+
+
+def test_the_broker_port_the_readme_quotes_is_the_cli_default():
+    start = typer.main.get_command(app).get_command(None, "broker").get_command(None, "start")
+    (port,) = [param for param in start.params if "--port" in param.opts]
+    assert "`sao broker start/stop/status` | the embedded broker as a background process (`--port`, default 9092" \
+        in README.read_text()
+    assert port.default == 9092
