@@ -334,8 +334,9 @@ class RunConfig(Section):
                              "only once the trainer has trained on it and published: staleness 0, no overlap. The "
                              "baseline of benchmarks/async_vs_sync.py.")
     max_tasks_in_flight: int | None = Field(
-        None, ge=1, description="Backpressure: tasks fed but not yet trained on, at most; unset = twice trainer.batch_size. "
-                                "run.mode = sync ignores it: one batch at a time.")
+        None, ge=1, description="Backpressure: task attempts (trajectories to come; grpo sends each task group_size "
+                                "times) fed but not yet trained on, at most; unset = twice trainer.batch_size, "
+                                "grpo one batch. run.mode = sync ignores it: one batch at a time.")
     timeout_s: float = Field(1500, gt=0, description="Abort the run after this many seconds (the training part; "
                                                      "the held-out evaluation after it is not counted).")
     heldout_eval: bool = Field(
