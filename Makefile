@@ -36,12 +36,14 @@ lint: install
 	$(VENV)/bin/ruff check sao tests benchmarks
 	$(VENV)/bin/lint-imports --no-logo
 
-# Lint first: a broken import rule fails in seconds, before minutes of tests.
+# Lint first: a broken import rule fails in seconds, before minutes of tests. Both print their
+# 25 slowest tests, so the suite says where its time goes; a test that shows up there in test-fast
+# and loads a real model, runs the whole loop, a sandbox or a broker restart is marked `slow`.
 test: install lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 test-fast: install lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" --durations=25
 
 clean-runs:
 	rm -rf runs

@@ -1,7 +1,8 @@
-"""The `sao` command line: run, broker, topics, feed, sampler, trainer, inspect, audit, config, bench.
+"""The `sao` command line: run, sampler, trainer, feed, topics, inspect, audit, eval, bench, broker, config, compression.
 
 Every flag maps onto one field of the typed config (`sao/config.py`); `--set section.knob=value`
-reaches any other field. Flags win over `--set`, which wins over env vars and the TOML file.
+reaches any other field (every command but `broker` and `bench` takes `--config` and `--set`).
+Flags win over `--set`, which wins over env vars and the TOML file.
 """
 
 from __future__ import annotations

@@ -131,9 +131,8 @@ class PolicyConfig(Section):
                           "calculator...').")
     temperature: float = Field(
         0.7, gt=0, description="Sampling temperature; the trainer recomputes log-probs under it. 0.7: a small policy at "
-                               "1.0 succeeds too rarely to learn from reliably (default runs: sampled first-try success "
-                               "0.31-0.54 at 0.7 vs 0.20-0.33 at 1.0; held-out gain the same within error; "
-                               "benchmarks/README.md).")
+                               "1.0 succeeds less often on its sampled first tries, with the held-out gain the same "
+                               "within error (measured: benchmarks/README.md).")
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus sampling: draw from the smallest set of tokens holding this much "
                                      "probability. Behaviour log-probs are those of that truncated distribution, so "
@@ -143,7 +142,8 @@ class PolicyConfig(Section):
     stop: list[str] | None = Field(
         None, description="Stop strings: an action ends with the token that completes one of them (it is kept); "
                           "unset = the env's own (usually none). End-of-turn tokens always stop.")
-    seed: int = Field(0, description="Seed of the memory projector's initialisation (identical in samplers and trainer).")
+    seed: int = Field(0, description="Seed of the `tiny` test model's random weights (identical in samplers and trainer); "
+                                     "a real model loads its weights, and the projector starts zero or aligned.")
     projector: str = Field(
         "auto", min_length=1,
         description="Memory projector at start: `auto` = the aligned weights shipped for this model + encoder pair "
@@ -185,7 +185,7 @@ class SamplerConfig(Section):
                                  "an older one).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
-                            "CPU in fp32 (bf16 matmuls are ~20x slower on CPU). Published fp32 weights are cast on load.")
+                            "CPU in fp32 (bf16 matmuls are far slower on CPU). Published fp32 weights are cast on load.")
     rollout_batch: int = Field(
         4, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
                              "refilled as soon as its episode ends); each is still one trajectory with its own env.")
@@ -286,18 +286,18 @@ class TrainerConfig(Section):
         True, description="On a drop (see shadow_margin), restore the best version's weights and optimizer state and "
                           "go on training from there, publishing them as a new version.")
     fused_adamw: bool = Field(
-        True, description="torch AdamW's fused kernel: one pass over the weights per step instead of several (on CPU, "
-                          "1 thread, 135M parameters: 0.14 s vs 1.05 s with foreach; the same update).")
+        True, description="torch AdamW's fused kernel: one pass over the weights per step instead of several, "
+                          "for the same update (measured: benchmarks/README.md).")
     length_buckets: int = Field(
         2, ge=1, description="At most this many forward passes per micro-batch: rows (steps) are sorted by length and "
                              "split where that cuts the right-padding most (same loss and gradient, fewer positions "
-                             "computed); 1 = one padded pass. A split that saves under 5% of the positions is not made. "
+                             "computed); 1 = one padded pass. A split that saves too few positions "
+                             "(MIN_SPLIT_SAVING in sao/trainer/batch.py) is not made. "
                              "With more than one rank it is 1: every rank must make the same ZeRO-3 forward passes.")
     torch_threads: int | Literal["auto"] = Field(
         "auto", description="torch threads of the trainer process; auto = the CPUs in the process's affinity mask "
                             "(after trainer.cpu_affinity is applied) shared among the ranks on this machine, so the "
-                            "trainer also runs on what the samplers leave idle (default runs: 0.88-0.91 of 2 cores busy, "
-                            "0.78-0.81 with 1 thread).")
+                            "trainer also runs on what the samplers leave idle (measured: benchmarks/README.md).")
     cpu_affinity: list[int] | None = Field(
         None, description="CPU ids the trainer process is pinned to (os.sched_setaffinity at start, before torch sets "
                           "its threads); unset = wherever the OS schedules it. See sampler.cpu_affinity.")
@@ -355,8 +355,9 @@ class RunConfig(Section):
                              "only once the trainer has trained on it and published: staleness 0, no overlap. The "
                              "baseline of benchmarks/async_vs_sync.py.")
     max_tasks_in_flight: int | None = Field(
-        None, ge=1, description="Backpressure: tasks fed but not yet trained on, at most; unset = 2 x trainer.batch_size. "
-                                "run.mode = sync ignores it: one batch at a time.")
+        None, ge=1, description="Backpressure: task attempts (trajectories to come; grpo sends each task group_size "
+                                "times) fed but not yet trained on, at most; unset = twice trainer.batch_size, "
+                                "grpo one batch. run.mode = sync ignores it: one batch at a time.")
     timeout_s: float = Field(1500, gt=0, description="Abort the run after this many seconds (the training part; "
                                                      "the held-out evaluation after it is not counted).")
     heldout_eval: bool = Field(

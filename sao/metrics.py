@@ -162,8 +162,8 @@ def record_delivery(topic: str, created_at: float, num_bytes: int, now: float | 
 
 @functools.cache
 def _delivery_series(topic: str) -> tuple:
-    """`topic`'s series of the delivery metrics, looked up once: a label lookup costs 3x the recording itself
-    (measured 14 vs 4 µs per message; the trainer records one per trajectory)."""
+    """`topic`'s series of the delivery metrics, looked up once: a label lookup costs several times the recording
+    itself, and the trainer records one per trajectory (measured: benchmarks/README.md)."""
     return (TRANSPORT_DELIVERY_SECONDS.labels(topic=topic), TRANSPORT_CONSUMED.labels(topic=topic),
             TRANSPORT_CONSUMED_BYTES.labels(topic=topic))
 

@@ -67,9 +67,9 @@ def pack_array(array: np.ndarray, dtype: type) -> dict[str, Any]:
 class _Joined:
     """Arrays that travel as the data of one packed array, laid end to end only as `encode` writes the message.
 
-    Each is copied once, straight into the message: no concatenated array and no growing pack buffer. At 1 MB
-    the page faults of those fresh allocations cost more than the copying (measured: 3.1 ms and ~700 faults per
-    encode through a concatenation and msgpack's buffer, 0.2-0.3 ms spliced).
+    Each is copied once, straight into the message: no concatenated array and no growing pack buffer. For large
+    messages the page faults of those fresh allocations cost more than the copying (measured:
+    benchmarks/README.md).
     """
 
     __slots__ = ("arrays", "nbytes")

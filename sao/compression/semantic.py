@@ -149,7 +149,7 @@ class SemanticEncoder:
 def encoder_dim(model: str = DEFAULT_MODEL) -> int:
     """The embedding width of `model`, read from its folder's metadata without loading the weights.
 
-    The trainer needs only this number (the memory width), not the 3 s model load. The last
+    The trainer needs only this number (the memory width), not the model load (seconds). The last
     module that sets a width wins: a Pooling layer's (times its pooling modes), then a Dense
     layer's `out_features`. A hub name, or a folder without that metadata, is loaded instead.
     """

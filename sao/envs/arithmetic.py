@@ -32,14 +32,15 @@ TRAIN_SEED_STRIDE = 2_000_003
 # i holds never depends on how many tasks were asked for at once (some datasets draw by size).
 _BLOCK = 1024
 # Entries read without finding a new task of the split: the domain holds no more (a small domain's
-# eval split then repeats from its start, like humaneval's). Each read costs ~15 us.
+# eval split then repeats from its start, like humaneval's). Each read is cheap (microseconds).
 _GIVE_UP = 20_000
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 @lru_cache(maxsize=8)
 def _dataset(name: str, size: int, seed: int, options: tuple[tuple[str, Any], ...]):
-    import reasoning_gym  # 2.5 s: imported when tasks are made, not by whoever only reads the class (the trainer)
+    # Slow to import (seconds): imported when tasks are made, not by whoever only reads the class (the trainer).
+    import reasoning_gym
 
     kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in options}
     return reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)

@@ -5,7 +5,7 @@ The sandboxed programs of `sao.envs.humaneval_grading` are this file's source pl
 arguments and result) or `run_calls` (a reply's function on those arguments). The sao process
 imports it to decode the results and to run check() again with a proxy that returns them, so the
 verdict comes from code and data the reply cannot touch. Keep it free of sao imports, and of
-heavy ones at the top (`json` pulls in `re`: 20 ms of every sandboxed run): `_json`'s string
+heavy ones at the top (`json` pulls in `re`, a measurable part of every sandboxed run): `_json`'s string
 escaping is all the sandbox needs.
 
 Plain data: None, bool, int, float, str, and lists, tuples and dicts of plain data, by exact type

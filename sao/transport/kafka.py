@@ -22,8 +22,8 @@ from sao.transport.health import BrokerWatch, client_log
 
 log = logging.getLogger(__name__)
 
-# Largest message sao sends (a compressed weight shard or a long trajectory). Real Kafka also
-# needs the topic's `max.message.bytes` raised to match; `ensure_topics` does that.
+# Largest message sao sends (a long trajectory; weights never travel over Kafka, only their announcement).
+# Real Kafka also needs the topic's `max.message.bytes` raised to match; `ensure_topics` does that.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Record-batch framing and headers on top of the payload.
 _FETCH_HEADROOM_BYTES = 1024 * 1024
@@ -55,13 +55,13 @@ def producer_config(bootstrap: str, **overrides: Any) -> dict[str, Any]:
         "enable.idempotence": True,
         # One request in flight per broker connection. An idempotent librdkafka (2.16) sends nothing more to a
         # partition holding 5 unacknowledged messages, yet wakes for its next ready batch at once: with a backlog
-        # its broker thread spins until the answer comes (measured: 150-700 µs of CPU per 50 KB message, 20-50
-        # at 1). A request waiting for the connection keeps it asleep; one partition with all the backlog still spins.
+        # its broker thread spins until the answer comes, burning CPU per message (measured: benchmarks/README.md).
+        # A request waiting for the connection keeps it asleep; one partition with all the backlog still spins.
         "max.in.flight.requests.per.connection": 1,
         "message.max.bytes": MAX_MESSAGE_BYTES,
         # A few ms of batching costs little latency; the trainer waits on whole batches anyway.
         "linger.ms": 5,
-        # Payloads are compressed by sao itself where it pays (weights); double work otherwise.
+        # sao sends messages uncompressed; weights never travel over Kafka (only their announcement does).
         "compression.type": "none",
     }
     config.update(overrides)
@@ -79,8 +79,8 @@ def consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> dict[str
         # A new group reads everything. "latest" is also unsafe on Tansu, whose reported
         # high watermarks are wrong.
         "auto.offset.reset": "earliest",
-        # A group join waits about half the session timeout (23 s at Kafka's default 45 s);
-        # 6 s keeps joins near 3 s. Tansu drops sessions at 2 s, so do not go lower.
+        # A group join waits about half the session timeout (Kafka's default is 45 s); a short
+        # timeout keeps joins short. Tansu drops sessions when it is much shorter than this, so do not go lower.
         "session.timeout.ms": 6000,
         "heartbeat.interval.ms": 1000,
         # Tansu answers a waiting fetch only when this expires, so it is the latency floor;
@@ -258,7 +258,7 @@ def await_acknowledgements(
         if remaining <= 0:
             raise DeliveryFailed(failure())
         # flush, not poll: it sends at once instead of lingering `linger.ms` for company that a
-        # caller blocked on its messages never brings (measured: 6 ms -> 0.3-0.9 ms per message).
+        # caller blocked on its messages never brings (measured: benchmarks/README.md).
         producer.flush(min(0.1, remaining))
 
 
@@ -301,8 +301,8 @@ def read_all(
 def iter_all(bootstrap: str, topic: str, timeout: float = 5.0, quiet_period: float = 1.0) -> Iterator[Message]:
     """`read_all` one message at a time, for topics too large to hold in memory at once."""
     group_id = f"sao-read-all-{uuid.uuid4().hex[:12]}"  # assign() never joins it; nothing is committed
-    # Reading a whole topic needs no low latency. At the pipeline's 20 ms, Tansu's s3 engine (which
-    # lists the bucket on each fetch) often returned nothing for 5-30 s, past any quiet period.
+    # Reading a whole topic needs no low latency. At the pipeline's short wait, Tansu's s3 engine (which
+    # lists the bucket on each fetch) often returned nothing for longer than any quiet period.
     consumer = make_consumer(bootstrap, group_id, **{"fetch.wait.max.ms": _READ_ALL_FETCH_WAIT_MS})
     try:
         partitions = _partitions(consumer, topic, timeout)

@@ -74,12 +74,14 @@ def test_full_isolation_as_root(layers):
     assert home.strip() in ("[]", "['.pyenv']")  # root's home is hidden except the interpreter
 
 
+@pytest.mark.slow
 def test_infinite_loop_hits_the_cpu_limit():
     result = run("while True: pass")
     assert result.status == "timeout" and result.returncode == -signal.SIGXCPU
     assert result.wall_s < LIMITS.wall_time_s + GRACE_S
 
 
+@pytest.mark.slow
 def test_ignoring_sigxcpu_gets_sigkill_at_the_hard_limit():
     # The wall limit only has to come after ~2 s of CPU: on cores shared with other jobs that takes longer.
     limits = LIMITS.model_copy(update={"wall_time_s": 30})
@@ -87,12 +89,14 @@ def test_ignoring_sigxcpu_gets_sigkill_at_the_hard_limit():
     assert result.status == "timeout" and result.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_sleep_hits_the_wall_clock_limit():
     result = run("import time\ntime.sleep(1000)", LIMITS.model_copy(update={"wall_time_s": 1}))
     assert result.status == "timeout" and result.returncode is None
     assert 1 <= result.wall_s < 1 + GRACE_S
 
 
+@pytest.mark.slow
 @needs_root
 def test_fork_bomb_is_contained_and_leaves_nothing(layers):
     needs(layers, "pidns", "uid")
@@ -325,6 +329,7 @@ def _memory_hog(child_mb: int) -> str:
     """
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup-if-available", "rlimits-only"])
 def test_all_processes_together_stay_within_the_memory_bound(cgroup):
@@ -364,6 +369,7 @@ def cgroups_left() -> list[Path]:
     return [path for parent in (parents or ())[1:] if parent for path in parent.glob(f"sao-sandbox-{os.getpid()}-*")]
 
 
+@pytest.mark.slow
 @needs_root
 def test_each_run_removes_its_cgroup_even_when_interrupted(layers):
     if "cgroup" not in layers:

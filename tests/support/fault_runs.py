@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 import time
@@ -11,6 +13,19 @@ from pathlib import Path
 from sao.config import SaoConfig, to_toml
 from sao.run_dir import RunDir
 from sao.transport.topics import ensure_topics
+
+
+def fault_seed() -> int:
+    """The seed of a fault test's random choices (e.g. when to kill): SAO_FAULT_SEED, else 0.
+
+    Fixed by default, so a failure reproduces; a failing test names its seed, and SAO_FAULT_SEED=N
+    runs it again with that seed (or explores others).
+    """
+    return int(os.environ.get("SAO_FAULT_SEED", "0"))
+
+
+def fault_rng() -> random.Random:
+    return random.Random(fault_seed())
 
 
 def on_own_topics(base: SaoConfig, bootstrap: str, prefix: str, partitions: int = 1) -> SaoConfig:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import signal
 import subprocess
 import time
@@ -14,6 +13,7 @@ import pytest
 from sao.schema import PolicyAnnouncement, decode
 from sao.transport.kafka import make_producer, read_all
 from sao.transport.topics import ensure_topics
+from support.fault_runs import fault_rng, fault_seed
 from support.trainer_runs import (
     TOTAL,
     dead_letters,
@@ -46,7 +46,7 @@ def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap,
     first = subprocess.Popen(trainer_command(config, kafka_bootstrap, run_dir), stdout=subprocess.DEVNULL,
                              stderr=open(tmp_path / "first.log", "w"))
     wait_for_step(run_dir / "status" / "trainer.json", 2, first)
-    delay = random.uniform(0, 1.0)
+    delay = fault_rng().uniform(0, 1.0)  # seeded: a failure names its seed and reproduces with it
     time.sleep(delay)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
@@ -55,7 +55,8 @@ def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap,
                             text=True, timeout=150)
     assert second.returncode == 0, second.stderr[-3000:]
     trained = effective_ledger(run_dir / "trained.jsonl")
-    assert sorted(trained) == sorted(ids), f"killed after {delay:.2f} s: lost or repeated trajectories"
+    assert sorted(trained) == sorted(ids), (f"killed {delay:.2f} s after step 2 (SAO_FAULT_SEED={fault_seed()}): "
+                                          "lost or repeated trajectories")
     assert len(trained) == len(set(trained)) == TOTAL
     state = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
                         / "sao_state.json").read_text())

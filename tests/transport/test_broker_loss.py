@@ -29,6 +29,7 @@ def own_broker(tmp_path: Path):
     broker.stop(timeout=1)
 
 
+@pytest.mark.slow
 def test_a_producer_outlives_a_broker_restart_that_forgot_its_producer_id(tmp_path: Path) -> None:
     # Same cluster id, empty memory: the old producer id is unknown to the new broker, which refuses
     # it until message.timeout.ms; only a fresh producer gets through.
@@ -51,6 +52,7 @@ def test_a_producer_outlives_a_broker_restart_that_forgot_its_producer_id(tmp_pa
         broker.stop(timeout=1)
 
 
+@pytest.mark.slow
 def test_a_durable_broker_comes_back_as_the_same_cluster_with_its_log(tmp_path: Path) -> None:
     pytest.importorskip("localbucket")  # `sao broker start --storage s3` needs it; not a dependency of sao
     port = free_port()

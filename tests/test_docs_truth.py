@@ -1,0 +1,152 @@
+"""What the docs and the code's own words claim, checked against the code where a test can check it.
+
+- No measured figure in `sao/**/*.py` comments, docstrings or config descriptions: measurements
+  rot there (and `sao config show` would print them); they belong in benchmarks/README.md.
+- The README's claims about the CLI (which commands take `--config`/`--set`, which exist) and
+  the defaults it quotes match the Typer app and `SaoConfig()`.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import typer
+
+from sao.cli import app
+from sao.config import SaoConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# A number followed by a unit of measurement: the sign \u00d7 or x (a ratio), %, s.e., ns, µs, us, ms or s.
+FIGURE = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*\s*(?:\u00d7|%|s\.e\.|(?:x|ns|µs|us|ms|s)(?!\w))")
+# A figure right after one of these words is a setting or a limit, not a measurement ("Kafka's default is 45 s").
+LIMIT = re.compile(r"(?:default|default is|default of|up to|at most|limit of|timeout of)\s*$")
+
+
+def figures(text: str) -> list[str]:
+    """The measured-looking figures in `text`, each with a little context."""
+    found = []
+    for match in FIGURE.finditer(text):
+        if not LIMIT.search(text[max(0, match.start() - 20):match.start()]):
+            found.append(text[max(0, match.start() - 30):match.end()].replace("\n", " "))
+    return found
+
+
+def prose(source: str) -> Iterator[tuple[int, str]]:
+    """(line, text) of every comment, docstring and literal `description=` string in a module."""
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring:
+                yield node.body[0].lineno, docstring
+        elif isinstance(node, ast.keyword) and node.arg == "description":
+            try:
+                yield node.value.lineno, ast.literal_eval(node.value)
+            except ValueError:  # an f-string or a name: nothing literal to read
+                continue
+
+
+def figures_in(source: str, name: str) -> list[str]:
+    return [f"{name}:{line}: ...{figure}" for line, text in prose(source) for figure in figures(text)]
+
+
+def test_the_figure_check_finds_figures_in_comments_docstrings_and_descriptions():
+    bad = '''"""Loads in ~30 s."""
+from pydantic import Field
+x = Field(1, description="fused: 0.14 s vs 1.05 s; 1.73\u00d7 faster, 13 % sooner, 4.5 s.e.")
+y = 2  # measured: 6 ms -> 0.3-0.9 ms per message, 3x the cost, 14 µs
+def f():
+    """Waits up to 10 s; Kafka's default is 45 s; 30 seconds; 64 steps; 2 x batch."""
+'''
+    found = figures_in(bad, "bad.py")
+    # Each figure once; on line 6 the limit, the default and the bare units pass, and "2 x" (a ratio) does not.
+    assert Counter(entry.split(":")[1] for entry in found) == {"1": 1, "3": 5, "4": 4, "6": 1}, found
+    assert next(entry for entry in found if entry.startswith("bad.py:6:")).endswith("2 x")
+
+
+def test_no_measured_figure_in_the_package_s_comments_docstrings_or_config_descriptions():
+    found = [entry for path in sorted((ROOT / "sao").rglob("*.py"))
+             for entry in figures_in(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == [], ("measured figures belong in benchmarks/README.md (leave a pointer: "
+                         "'measured: benchmarks/README.md'):\n" + "\n".join(found))
+
+
+def _commands(command, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], set[str]]]:
+    if hasattr(command, "list_commands"):
+        for name in command.list_commands(None):
+            yield from _commands(command.get_command(None, name), path + (name,))
+    else:
+        yield path, {option for param in command.params for option in getattr(param, "opts", [])}
+
+
+COMMANDS = dict(_commands(typer.main.get_command(app)))
+
+
+def test_the_readme_names_the_commands_that_do_not_take_config_and_set():
+    sentence = re.search(r"Every command but (.+?) takes `--config FILE\.toml` and `--set section\.knob=value`",
+                         " ".join(README.read_text().split()))
+    assert sentence, "README: the sentence saying which commands take --config and --set is gone"
+    claimed_without = set(re.findall(r"`([\w-]+)`", sentence.group(1)))
+    without = {path[0] for path, options in COMMANDS.items() if not {"--config", "--set"} <= options}
+    assert claimed_without == without
+    # ... and every command of such a group lacks them (a group is named as a whole).
+    for path, options in COMMANDS.items():
+        assert ({"--config", "--set"} <= options) == (path[0] not in without), path
+
+
+def test_the_readme_command_table_lists_every_command():
+    table = {row.split("`")[1].split()[1].split("/")[0] for row in README.read_text().splitlines()
+             if row.startswith("| `sao ")}
+    assert table == {path[0] for path in COMMANDS}
+
+
+def _default(dotted: str):
+    value = SaoConfig()
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# (what the README says, the config field it quotes, its default there)
+QUOTED_DEFAULTS = [
+    ("feeds 96 reasoning-gym arithmetic tasks (`run.num_tasks`)", "run.num_tasks", 96),
+    ("feeds 96 reasoning-gym arithmetic tasks", "env.name", "arithmetic"),
+    ("runs 2 sampler processes", "sampler.num_samplers", 2),
+    ("on 128 held-out questions", "run.heldout_cap", 128),
+    ("With the defaults (sampling temperature 0.7", "policy.temperature", 0.7),
+    ("a retry that offers no new answer earns \u22120.5 (`env.repeat_penalty`)", "env.repeat_penalty", 0.5),
+    ('(`trainer.torch_threads = "auto"`)', "trainer.torch_threads", "auto"),
+    ("the launcher on 9700", "metrics.launcher_port", 9700),
+    ("the trainer on 9701", "metrics.trainer_port", 9701),
+    ("samplers from 9710 up", "metrics.sampler_port", 9710),
+    ("a running mean per prompt by default", "trainer.baseline_key", "prompt"),
+    ("(`min(\u03c1, tis_clip)`)", "trainer.objective", "tis"),
+    ("scaled over the batch to unit root mean square but not centred", "trainer.whiten_advantages", True),
+    ("scaled over the batch to unit root mean square but not centred", "trainer.center_advantages", False),
+    ("its default, 1, weighs them all alike", "trainer.freshness_decay", 1.0),
+]
+
+
+@pytest.mark.parametrize(("claim", "field", "value"), QUOTED_DEFAULTS, ids=[f for _, f, _ in QUOTED_DEFAULTS])
+def test_a_default_the_readme_quotes_is_the_config_s_default(claim, field, value):
+    assert claim in " ".join(README.read_text().split()), f"README no longer says {claim!r}: update this test"
+    assert _default(field) == value, f"README says {claim!r}, but {field} defaults to {_default(field)!r}"
+
+
+def test_the_broker_port_the_readme_quotes_is_the_cli_default():
+    start = typer.main.get_command(app).get_command(None, "broker").get_command(None, "start")
+    (port,) = [param for param in start.params if "--port" in param.opts]
+    assert "`sao broker start/stop/status` | the embedded broker as a background process (`--port`, default 9092" \
+        in README.read_text()
+    assert port.default == 9092
