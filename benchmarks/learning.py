@@ -39,7 +39,8 @@ KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", 
         "heldout_second_try_base", "heldout_second_try_base_n", "heldout_second_try_final",
         "heldout_second_try_final_stderr", "heldout_second_try_n", "heldout_second_try_penalised_base",
         "heldout_second_try_penalised_final", "kept_version", "heldout_kept", "heldout_kept_gain",
-        "heldout_kept_gain_stderr", "shadow_drops", "policy_version")
+        "heldout_kept_gain_stderr", "shadow_drops", "policy_version", "duration_s", "shadow_scorer_cpu_s",
+        "shadow_snapshot_s", "trainer_idle_ratio")
 
 
 def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
@@ -105,7 +106,7 @@ def main() -> None:
     table = Table(title="default run: greedy first-try success on held-out tasks, base model vs final version")
     for column in ("seed", "n", "base", "final", "gain ± s.e.", "second try: base -> final (n)",
                    "no new answer: base -> final", "kept v: gain ± s.e.", "drops/rollbacks", "KL end",
-                   "reward v first/last", "staleness", "|rho-1|", "wall s"):
+                   "reward v first/last", "staleness", "|rho-1|", "shadow cpu / snapshot s", "train s", "wall s"):
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(str(r["seed"]), str(r["heldout_n"]), f"{r['heldout_base']:.3f}", f"{r['heldout_final']:.3f}",
@@ -120,7 +121,8 @@ def main() -> None:
                       f"{r['shadow_drops'] or 0}/{r['rollbacks']}", _fmt(r["kl_end"], ".4f"),
                       f"{_fmt(r['reward_first_version'], '.2f')}/{_fmt(r['reward_last_version'], '.2f')}",
                       _fmt(r["staleness_mean"], ".2f"), _fmt(r["importance_ratio_abs_dev_mean"], ".3f"),
-                      f"{r['wall_s']:.0f}")
+                      f"{_fmt(r['shadow_scorer_cpu_s'], '.0f')} / {_fmt(r['shadow_snapshot_s'], '.1f')}",
+                      _fmt(r["duration_s"], ".0f"), f"{r['wall_s']:.0f}")
     console = Console(width=None if os.isatty(1) else 160)  # a log file gets the whole table, unwrapped
     console.print(table)
     total = over_seeds(results)

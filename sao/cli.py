@@ -1,4 +1,5 @@
-"""The `sao` command line: run, sampler, trainer, feed, topics, inspect, audit, eval, bench, broker, config, compression.
+"""The `sao` command line: run, sampler, trainer, feed, topics, inspect, audit, eval, shadow, bench, broker, config,
+compression.
 
 Every flag maps onto one field of the typed config (`sao/config.py`); `--set section.knob=value`
 reaches any other field (every command but `broker` and `bench` takes `--config` and `--set`).

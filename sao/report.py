@@ -136,7 +136,8 @@ def shadow_figures(trainer: dict[str, Any]) -> dict[str, Any]:
     """Shadow validation's board as the trainer left it: scores by version, the best, drops, rollbacks."""
     board = trainer.get("shadow") or {}
     return {"shadow_scores": board.get("scores"), "shadow_best": board.get("best"),
-            "shadow_drops": len(board.get("drops") or []), "rollbacks": board.get("rollbacks") or []}
+            "shadow_drops": len(board.get("drops") or []), "rollbacks": board.get("rollbacks") or [],
+            "shadow_scorer_cpu_s": board.get("scorer_cpu_s"), "shadow_snapshot_s": board.get("snapshot_s")}
 
 
 ROLES = ("trainer", "samplers", "broker", "launcher")
@@ -208,6 +209,8 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         # and none whose trajectory was trained after all: the trainer reads them back from the DLQ.
         "tasks_dead_lettered": trainer.get("tasks_dead_lettered", 0),
         "trainer_wait_s": trainer.get("wait_s"),
+        "trainer_peak_rss_mb": trainer.get("peak_rss_mb"),
+        "sampler_peak_rss_mb": max((s["peak_rss_mb"] for s in samplers.values() if "peak_rss_mb" in s), default=None),
         "trainer_step_s_mean": mean([r.step_s for r in steps]),
         "duration_s": duration_s,
         "trajectories_per_s": _ratio(len(rewards), duration_s),

@@ -58,7 +58,8 @@ _started_at: float | None = None
 
 
 def process_usage() -> dict[str, float]:
-    """`cpu_s` and `wall_s` of this process since it started, for its progress file.
+    """`cpu_s`, `wall_s` and `peak_rss_mb` (resident memory at its highest) of this process since it
+    started, for its progress file.
 
     `sao run` divides each role's CPU seconds by the run's wall time to say how many cores it
     kept busy (sao/report.py).
@@ -71,7 +72,8 @@ def process_usage() -> dict[str, float]:
             _started_at = psutil.Process().create_time()
         except (ImportError, OSError):
             _started_at = _IMPORTED_AT
-    return {"cpu_s": own_cpu_seconds(), "wall_s": time.time() - _started_at}
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"cpu_s": own_cpu_seconds(), "wall_s": time.time() - _started_at, "peak_rss_mb": peak_kib / 1024}
 
 
 def read_status(path: Path) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from sao.transport.broker import EmbeddedBroker
 
 # Shadow validation (on by default) starts a scorer process beside every trainer and scores the final
 # version before the trainer exits: seconds the many tiny-model trainer tests would each pay for
-# nothing (a random policy scores 0). The env var reaches their subprocesses; the tests of shadow
-# validation turn it on with --set, which outranks it.
+# nothing (a random policy scores 0). The env var reaches their subprocesses and outranks the config
+# file `sao run` hands its trainer; the tests of shadow validation run with `SHADOW_ON` instead.
 os.environ.setdefault("SAO__TRAINER__SHADOW_EVERY", "0")
 
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from support.shadow_env import shadow_on
+
 
 @pytest.mark.slow
 def test_sao_run_trains_through_kafka(tmp_path):
@@ -21,7 +23,7 @@ def test_sao_run_trains_through_kafka(tmp_path):
                # Shadow validation on (the suite turns it off by default), on a slice after those 3 tasks.
                "--set", "trainer.shadow_every=1", "--set", "trainer.shadow_tasks=3",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=500)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=500, env=shadow_on())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
 

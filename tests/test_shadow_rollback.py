@@ -9,16 +9,18 @@ import sys
 
 import pytest
 
+from support.shadow_env import shadow_on
+
 
 @pytest.mark.slow
 def test_a_collapsing_run_rolls_back_and_keeps_a_version_as_good_as_its_base(tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "sao.cli", "run", "--num-tasks", "48", "--run-dir", str(run_dir),
-               "--set", "trainer.learning_rate=1e-3", "--set", "trainer.batch_size=4",
+    command = [sys.executable, "-m", "sao.cli", "run", "--num-tasks", "64", "--run-dir", str(run_dir),
+               "--set", "trainer.learning_rate=1e-3", "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=12",
                "--set", "trainer.shadow_every=1", "--set", "trainer.shadow_tasks=24", "--set", "run.heldout_cap=24",
                "--set", f"run.heldout_cache_dir=\"{tmp_path / 'heldout-cache'}\"", "--set", "run.timeout_s=1200",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1500)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=shadow_on())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()

@@ -202,6 +202,18 @@ def _store_base(path: Path | None, scores: TaskScores) -> None:
     partial.replace(path)  # a reader never sees half a file
 
 
+def base_model_scores(scorer: Scorer, tasks: list[Task]) -> tuple[TaskScores, bool]:
+    """The base model's (v0's) scores on `tasks`, from the cache when it holds them; and whether it did."""
+    cache = _cache_path(scorer.config, tasks, scorer.device)
+    cached = _cached_base(cache, tasks)
+    if cached is not None:
+        return cached, True
+    scores, failures = scorer.score(0, tasks)
+    if not failures:
+        _store_base(cache, scores)
+    return scores, False
+
+
 def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, cap: int | None = None,
             threads: int | None = None, kept: int | None = None) -> dict:
     """Score `baseline` and `version` greedily on the same held-out tasks; the paired first-try gain,
@@ -217,13 +229,10 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
         weights_of(run_dir, needed)  # a pruned version fails now, not after scoring the other one
     tasks = heldout_tasks(config, cap or config.run.heldout_cap)
     scorer = Scorer(config, run_dir, threads=threads)
-    cache = _cache_path(config, tasks, scorer.device) if baseline == 0 else None
-    base = _cached_base(cache, tasks)
-    base_cached = base is not None
-    if base is None:
-        base, base_failures = scorer.score(baseline, tasks)
-        if not base_failures:
-            _store_base(cache, base)
+    if baseline == 0:
+        base, base_cached = base_model_scores(scorer, tasks)
+    else:
+        (base, _), base_cached = scorer.score(baseline, tasks), False
     base_s = time.perf_counter() - started
     # The kept version is scored before the final one only to load versions in the order they were made.
     kept_scores = None

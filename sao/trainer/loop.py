@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -63,6 +64,10 @@ class Trainer:
         resolved = config.trainer.model_copy(update={"turn_credit": turn_credit(config)})
         self.config = config = config.model_copy(update={"trainer": resolved})
         self.run_dir = RunDir(run_dir)
+        # The shadow scorer loads its model while this process builds the engine: its first score
+        # must not wait for both one after the other (RANK: torch.distributed is not up yet).
+        self.shadow = self._shadow_scorer() if config.trainer.shadow_every and os.environ.get("RANK", "0") == "0" \
+            else None
         # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
@@ -123,7 +128,6 @@ class Trainer:
         self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
         # Shadow validation (sao/trainer/shadow.py): the scorer process and its board live on rank 0;
         # every rank keeps its own optimizer snapshots of the versions a rollback may return to.
-        self.shadow: ShadowScorerProcess | None = None
         self.board = ShadowBoard(config.trainer.shadow_margin)
         self.snapshots = OptimizerSnapshots()
         self.offered_version: int | None = None  # the last version handed to the scorer
@@ -372,13 +376,14 @@ class Trainer:
         dist.broadcast(agreed, src=0)
         return agreed.tolist()
 
+    def _shadow_scorer(self) -> ShadowScorerProcess:
+        self.run_dir.root.mkdir(parents=True, exist_ok=True)
+        self.run_dir.trainer_config.write_text(to_toml(self.config))
+        return ShadowScorerProcess(self.run_dir, self.run_dir.trainer_config)
+
     def _start_shadow(self) -> None:
-        if not self.config.trainer.shadow_every:
-            return
-        if self.is_leader:
-            self.run_dir.trainer_config.write_text(to_toml(self.config))
-            self.shadow = ShadowScorerProcess(self.run_dir, self.run_dir.trainer_config)
-        self._offer_to_shadow(self.state.policy_version)  # the base model, or where a resume starts
+        if self.config.trainer.shadow_every:
+            self._offer_to_shadow(self.state.policy_version)  # the base model, or where a resume starts
 
     def _offer_to_shadow(self, version: int) -> None:
         """Hand `version` to the scorer if it is idle and shadow_every versions have passed since the last one;
@@ -390,7 +395,9 @@ class Trainer:
         [offer] = self._from_leader([int(self.is_leader and due and self.shadow.idle)])
         if not offer:
             return
+        started = time.perf_counter()
         self.snapshots.take(self.engine, version)
+        self.board.snapshot_s += time.perf_counter() - started
         self.offered_version = version
         if self.is_leader:
             self.shadow.request(version)
@@ -403,6 +410,7 @@ class Trainer:
         back_to, best, pending = -1, -1, -1
         if self.is_leader:
             score = self.shadow.poll()
+            self.board.scorer_cpu_s = self.shadow.cpu_s
             if score is not None:
                 drop = self.board.add(score)
                 metrics.record_shadow_score(score.version, score.mean, self.board.best)
@@ -453,8 +461,8 @@ class Trainer:
         if self.shadow is None:
             return
         wait_s = 600.0
-        if self.shadow.pending is not None:
-            self._add_final_score(self.shadow.wait(wait_s))
+        if self.shadow.pending is not None:  # asked for before the last step
+            self._add_final_score(self.shadow.wait(wait_s), final=False)
         final = self.state.policy_version
         if final not in self.board.scores and self.shadow.pending is None:
             self.shadow.request(final)
@@ -463,14 +471,17 @@ class Trainer:
         self._write_board()
         self.shadow.stop()
 
-    def _add_final_score(self, score) -> None:
+    def _add_final_score(self, score, final: bool = True) -> None:
+        """A score read after the last step: a drop can no longer be rolled back, only not kept."""
+        self.board.scorer_cpu_s = self.shadow.cpu_s
         if score is None:
             return
         drop = self.board.add(score)
         metrics.record_shadow_score(score.version, score.mean, self.board.best)
         if drop is not None:
-            log.warning("ALERT shadow validation: the final version v%d scored %.3f below the best, v%d; the run "
-                        "keeps v%d (RUN_DIR/policy/best)", drop.version, -drop.gap, drop.best, drop.best)
+            log.warning("ALERT shadow validation: %s v%d scored %.3f below the best, v%d; the run keeps v%d "
+                        "(RUN_DIR/policy/best)", "the final version" if final else "version", drop.version,
+                        -drop.gap, drop.best, drop.best)
             metrics.record_shadow_drop()
 
     def _pin_kept_versions(self) -> None:

@@ -64,6 +64,8 @@ class ShadowBoard:
     margin: float
     scores: dict[int, ShadowScore] = field(default_factory=dict)
     best: int | None = None
+    scorer_cpu_s: float = 0.0  # the scorer process's CPU seconds, as of its latest score
+    snapshot_s: float = 0.0  # the trainer's seconds spent snapshotting the optimizer for it
     drops: list[Drop] = field(default_factory=list)
     rollbacks: list[dict] = field(default_factory=list)
 
@@ -100,6 +102,7 @@ class ShadowBoard:
         best = self.scores[self.best] if self.best is not None else None
         return {"margin": self.margin, "scores": {str(v): figures(s) for v, s in sorted(self.scores.items())},
                 "best": {"version": best.version, **figures(best)} if best else None,
+                "scorer_cpu_s": self.scorer_cpu_s, "snapshot_s": self.snapshot_s,
                 "drops": [asdict(drop) for drop in self.drops], "rollbacks": self.rollbacks}
 
 
@@ -111,6 +114,7 @@ class ShadowScorerProcess:
         run_dir.shadow_dir.mkdir(parents=True, exist_ok=True)
         run_dir.shadow_request.unlink(missing_ok=True)
         self.pending: int | None = None  # the version asked for and not yet scored
+        self.cpu_s = 0.0  # the scorer's CPU seconds, as of its latest result
         log_path = run_dir.log("shadow")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Niced: it takes the CPU the samplers and the trainer leave, never theirs.
@@ -140,6 +144,7 @@ class ShadowScorerProcess:
             return None
         result = json.loads(path.read_text())
         self.pending = None
+        self.cpu_s = result.get("cpu_s", self.cpu_s)
         if result.get("error"):
             log.warning("shadow scorer could not score v%d: %s", result["version"], result["error"])
             return None

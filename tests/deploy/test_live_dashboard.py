@@ -21,6 +21,8 @@ import urllib.request
 import pytest
 import yaml
 
+from support.shadow_env import shadow_on
+
 PROMETHEUS = shutil.which("prometheus")
 
 # Series that exist only once something went wrong: a clean run leaves their panels empty.
@@ -84,10 +86,11 @@ def test_every_dashboard_query_has_data_from_a_live_run(deploy_dir, metric_names
         started = time.time()
         command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", "16", "--samplers", "2",
                    "--run-dir", str(tmp_path / "run"), "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=8",
-                   "--set", "trainer.checkpoint_every=1", "--set", "run.heldout_eval=false", "--set", "run.timeout_s=400",
+                   "--set", "trainer.checkpoint_every=1", "--set", "run.heldout_eval=false",
+                   "--set", "trainer.shadow_every=1", "--set", "trainer.shadow_tasks=2", "--set", "run.timeout_s=400",
                    "--set", f"metrics.launcher_port={launcher_port}", "--set", f"metrics.trainer_port={trainer_port}",
                    "--set", f"metrics.sampler_port={sampler_port}"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=500)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=500, env=shadow_on())
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         ended = time.time()
         targets = _get(f"{api}/targets")["data"]["activeTargets"]
