@@ -21,6 +21,7 @@ from confluent_kafka import KafkaException
 
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
+from sao.envs.registry import task_env
 from sao.metrics import record_announcement_refused, record_delivery, record_policy_reload, record_rollout
 from sao.policy.weights import (
     WeightsMismatch,
@@ -35,10 +36,13 @@ from sao.status import process_usage, write_status
 from sao.transport.announcements import PolicyFollower
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
-from sao.transport.kafka import TASK_CONSUMER_SETTINGS, RenewingProducer, make_consumer
+from sao.transport.kafka import MAX_MESSAGE_BYTES, TASK_CONSUMER_SETTINGS, RenewingProducer, make_consumer
 from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
+
+# Room for the record framing and sao's headers in a message the sampler produces.
+_PRODUCE_HEADROOM_BYTES = 64 * 1024
 
 
 class Sampler:
@@ -53,6 +57,7 @@ class Sampler:
         self.roller = Roller.from_config(config, sampler_id, seed)
         self.policy = self.roller.policy
         self.policy_version = 0
+        self.env_name = task_env(config.env.name)  # the `env` its tasks carry (None: a plugin unknown here)
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
                          "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,
                          "idle_s": 0.0, "run_s": 0.0}  # idle: no live episode (waiting for tasks or a reload)
@@ -156,7 +161,7 @@ class Sampler:
             taken += 1
             self.offsets.started(msg.topic(), msg.partition(), msg.offset())
             try:
-                task = decode(msg.value(), Task)
+                task = self._decode_task(msg)
             except SchemaError as err:
                 self._dead_letter(msg, err.reason, str(err))
                 self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
@@ -164,6 +169,17 @@ class Sampler:
             record_delivery(msg.topic(), task.created_at, len(msg.value()))
             tasks.append((task, msg))
         return taken, tasks
+
+    def _decode_task(self, msg) -> Task:
+        """The task of `msg`, refused (SchemaError) before any work if it is too large or for another env."""
+        size = len(msg.value() or b"") + len(msg.key() or b"")
+        if size > self.config.sampler.max_task_bytes:  # before decoding: the cost of a huge message is in reading it
+            raise SchemaError("too-large", "value", f"{size} bytes (value and key) is over sampler.max_task_bytes "
+                                                    f"({self.config.sampler.max_task_bytes})")
+        task = decode(msg.value(), Task)
+        if self.env_name is not None and task.env != self.env_name:  # the trainer would refuse its trajectory
+            raise SchemaError("wrong-env", "env", f"{task.env[:100]!r} is not this sampler's env ({self.env_name!r})")
+        return task
 
     def _ready(self, live: list[tuple[LiveEpisode, object]]) -> list[tuple[Task, object]]:
         """The held tasks whose policy version is loaded; the rest stay held (admission pauses).
@@ -224,8 +240,14 @@ class Sampler:
             # The env raised or hung: this task ends here, the sampler goes on.
             self._dead_letter(msg, outcome.reason, str(outcome))
         else:  # finished once the broker has it (`_delivered`); the live episodes go on meanwhile
-            self.outbox.send(encode(outcome), task.task_id, lambda ack_s: self._delivered(msg, outcome, ack_s))
-            return
+            value = encode(outcome)
+            size = len(value) + len(task.task_id.encode())
+            if size <= MAX_MESSAGE_BYTES - _PRODUCE_HEADROOM_BYTES:
+                self.outbox.send(value, task.task_id, lambda ack_s: self._delivered(msg, outcome, ack_s))
+                return
+            # The producer would refuse it and raise: the task goes to the DLQ instead, and the sampler goes on.
+            self._dead_letter(msg, "too-large", f"task {task.task_id[:100]!r}: its trajectory would be {size} bytes "
+                                                f"with its key, over the broker's message limit ({MAX_MESSAGE_BYTES})")
         self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
 
     def _delivered(self, msg, trajectory: Trajectory, ack_s: float) -> None:
@@ -270,8 +292,14 @@ class Sampler:
             log.warning("%s could not commit task offsets: %s", self.sampler_id, err)
 
     def _dead_letter(self, msg, reason: str, detail: str) -> None:
-        self.dlq.send(msg.value(), reason, source_topic=msg.topic(), partition=msg.partition(),
-                      offset=msg.offset(), key=msg.key(), detail=detail)
+        value, key = msg.value(), msg.key()
+        if len(value or b"") + len(key or b"") > MAX_MESSAGE_BYTES - _PRODUCE_HEADROOM_BYTES:
+            # The producer would refuse it (and raise): keep the why and the where instead.
+            detail += (f"; the original message is over what the dead-letter topic carries and stays at "
+                       f"{msg.topic()}[{msg.partition()}]@{msg.offset()}")
+            value = key = None
+        self.dlq.send(value, reason, source_topic=msg.topic(), partition=msg.partition(),
+                      offset=msg.offset(), key=key, detail=detail)
         self.counters["dead_lettered"] += 1
 
     def _follow_policy(self, reload_now: bool) -> None:

@@ -156,7 +156,7 @@ def test_tokens_are_bounded_per_row_and_in_all(validator):
     with pytest.raises(SchemaError, match="steps\\[2\\]") as refused:  # the first of the longest rows
         replace(exact, max_positions=max(rows) - 1).validate(over_the_wire(four), policy_version=0)
     assert refused.value.reason == "too-large"
-    with pytest.raises(SchemaError, match="trainer.max_trajectory_tokens") as refused:
+    with pytest.raises(SchemaError, match=r"trainer\.max_trajectory_tokens") as refused:
         replace(exact, max_tokens=sum(rows) - 1).validate(over_the_wire(four), policy_version=0)
     assert (refused.value.reason, refused.value.field) == ("too-large", "steps")
 
