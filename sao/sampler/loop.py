@@ -22,7 +22,13 @@ from confluent_kafka import KafkaException
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import task_env
-from sao.metrics import record_announcement_refused, record_delivery, record_policy_reload, record_rollout
+from sao.metrics import (
+    record_announcement_refused,
+    record_delivery,
+    record_policy_reload,
+    record_rollout,
+    record_versions_behind,
+)
 from sao.policy.weights import (
     WeightsMismatch,
     announced_weights_path,
@@ -33,7 +39,7 @@ from sao.sampler.outbox import Outbox
 from sao.sampler.rollout import LiveEpisode, Roller
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import process_usage, write_status
-from sao.transport.announcements import PolicyFollower
+from sao.transport.announcements import PolicyFollower, read_announce_key
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
 from sao.transport.kafka import MAX_MESSAGE_BYTES, TASK_CONSUMER_SETTINGS, RenewingProducer, make_consumer
@@ -61,7 +67,11 @@ class Sampler:
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
                          "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,
                          "idle_s": 0.0, "run_s": 0.0}  # idle: no live episode (waiting for tasks or a reload)
-        self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump)
+        # Only announcements signed with the run's key (beside its weights) are read; the key is read when needed.
+        self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump,
+                                              key=lambda: read_announce_key(self.policy_dir))
+        self.missing_refused: set[int] = set()  # versions refused for a missing file (retried; said once)
+        self.behind = False  # more than trainer.max_staleness versions behind the newest announced (said once)
         # Announced weights are read only from here (None: every announcement is refused, said once).
         self.policy_dir = Path(config.sampler.policy_dir) if config.sampler.policy_dir else None
         self.broker_watch = BrokerWatch(bootstrap, sampler_id, config.broker.loss_timeout_s)
@@ -310,6 +320,7 @@ class Sampler:
         one below it instead, and meanwhile the sampler goes on with its current policy.
         """
         announcement = self.policy_follower.poll()
+        self._check_lag()
         if (announcement is not None and announcement.policy_version > self.policy_version
                 and announcement is not self.pending):
             try:
@@ -328,12 +339,30 @@ class Sampler:
             self._refuse(announcement, err)
             return
         self.policy_follower.loaded(announcement.policy_version)
+        self.missing_refused = {v for v in self.missing_refused if v > announcement.policy_version}
         reload_s = time.perf_counter() - started
         self.policy_version = announcement.policy_version
         self.counters["reloads"] += 1
         self.counters["reload_s"] += reload_s
         record_policy_reload(self.policy_version, reload_s)
         log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.policy_version, reload_s)
+
+    def _check_lag(self) -> None:
+        """Say loudly (log, metric) when this sampler is more than trainer.max_staleness versions behind the newest
+        authentic announcement: everything it produces then is dead-lettered as too-stale."""
+        newest = self.policy_follower.newest_read
+        behind = 0 if newest is None else max(0, newest - self.policy_version)
+        record_versions_behind(self.sampler_id, behind)
+        limit = self.config.trainer.max_staleness
+        if behind > limit and not self.behind:
+            log.error("%s is %d policy versions behind the newest announced (v%d, it has v%d), over "
+                      "trainer.max_staleness = %d: the trainer will dead-letter its trajectories as too-stale. "
+                      "See this sampler's refusals above (weights folder readable? files pruned too soon?)",
+                      self.sampler_id, behind, newest, self.policy_version, limit)
+        elif behind <= limit and self.behind:
+            log.warning("%s caught up: v%d, %d behind the newest announced", self.sampler_id, self.policy_version,
+                        behind)
+        self.behind = behind > limit
 
     def _weights_path(self, announcement: PolicyAnnouncement) -> Path:
         if self.policy_dir is None:
@@ -342,11 +371,15 @@ class Sampler:
         return announced_weights_path(announcement.weights_path, announcement.policy_version, self.policy_dir)
 
     def _refuse(self, announcement: PolicyAnnouncement, err: OSError | WeightsMismatch) -> None:
-        """Skip a version for good: pruned before this (lagging) sampler got to it, unreadable, or unsafe."""
-        self.policy_follower.refused(announcement.policy_version)
+        """Skip an announcement: its file unreadable or unsafe (for good), or not there (tried again later: not
+        written yet where this sampler reads it, or pruned before this lagging sampler got to it)."""
         reason = getattr(err, "reason", "missing" if isinstance(err, FileNotFoundError) else "unreadable")
+        self.policy_follower.refused(announcement.policy_version, missing=reason == "missing")
         record_announcement_refused(reason)
-        if reason == "no-policy-dir" and self.counters["refused"]:  # every version is refused: said once is enough
+        said = reason == "missing" and announcement.policy_version in self.missing_refused
+        if reason == "missing":
+            self.missing_refused.add(announcement.policy_version)
+        if said or (reason == "no-policy-dir" and self.counters["refused"]):  # said once is enough
             log.debug("%s refused policy v%d: %s", self.sampler_id, announcement.policy_version, err)
         else:
             log.warning("%s refused policy v%d (%s): %s; it goes on with policy v%d%s", self.sampler_id,
