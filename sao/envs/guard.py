@@ -3,7 +3,8 @@
 An env that raises, or runs past `env.step_timeout_s`, turns into `EnvFailure` with a DLQ
 reason ("env-error" or "env-timeout"; "invalid-task" for a spec the env refused as `InvalidTask`);
 the sampler dead-letters the task and goes on. The time limit uses SIGALRM, so it interrupts
-Python code in the sampler's main thread; code that runs untrusted programs (e.g. unit tests of generated code) must still use its own subprocess limits.
+Python code in the sampler's main thread; code that runs untrusted programs (e.g. unit tests of
+generated code) must still use its own subprocess limits.
 """
 
 from __future__ import annotations
