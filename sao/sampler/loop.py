@@ -316,8 +316,9 @@ class Sampler:
         """Note the newest version on offer; load it once no episode is live (`reload_now`).
 
         Its path is checked on arrival (a refused one never pauses admission), its file at load.
-        A refused version is logged once and never read again; the follower offers the newest
-        one below it instead, and meanwhile the sampler goes on with its current policy.
+        A refused announcement is logged once and not read again (a missing file is tried again
+        later); the follower offers the newest version below it instead, and meanwhile the sampler
+        goes on with its current policy.
         """
         announcement = self.policy_follower.poll()
         self._check_lag()
