@@ -135,12 +135,18 @@ class AuditReport:
     checkpoint_step: int | None
     ledger: dict[str, int]
     notes: list[str]
+    # Fed task attempts the run's own records count (its feeder's status, its ledger) that the topics read here
+    # do not hold: the broker lost them, or it is not the run's cluster (`foreign_cluster` says which it is).
+    unaccounted: int = 0
+    foreign_cluster: str | None = None
 
     @property
     def clean(self) -> bool:
-        """Nothing lost (an undecodable message nobody dead-lettered included), nothing trained twice."""
+        """Nothing lost (an undecodable message nobody dead-lettered included), nothing trained twice, and the
+        broker read is the run's own and holds everything the run fed."""
         lost_undecodable = self.finished and any(u["messages"] > u["dead_lettered"] for u in self.undecodable.values())
-        return not (self.trained_twice or self.lost_produced or self.lost_not_produced or lost_undecodable)
+        return not (self.trained_twice or self.lost_produced or self.lost_not_produced or lost_undecodable
+                    or self.unaccounted or self.foreign_cluster)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "clean": self.clean}
@@ -154,11 +160,25 @@ def audit(config: SaoConfig, run_dir: RunDir, bootstrap: str, finished: bool | N
     checkpoint = _latest_checkpoint_state(run_dir)
     finished = bool(read_status(run_dir.status("trainer")).get("finished")) if finished is None else finished
     report = classify(scan, ledger, checkpoint, finished, config.trainer.max_reuse, config.topics.dlq)
-    recorded, current = (checkpoint or {}).get("broker_cluster_id"), cluster_id_of(bootstrap)
-    if recorded and current != recorded:
-        report.notes.append(f"the checkpoint was taken against Kafka cluster {recorded!r}, but the broker read here is "
-                            f"{current!r}: these topics are not the run's log (a restarted in-memory broker?)")
+    current = cluster_id_of(bootstrap)
+    for recorded, where in ((run_dir.recorded_cluster_id(), f"the run started on ({run_dir.cluster_id.name})"),
+                            ((checkpoint or {}).get("broker_cluster_id"), "the checkpoint was taken against")):
+        if recorded and current != recorded and report.foreign_cluster is None:
+            report.foreign_cluster = recorded
+            report.notes.append(f"the broker read here is Kafka cluster {current!r}, not {recorded!r}, which {where}: "
+                                "these topics are not the run's log (a restarted in-memory broker?)")
+    fed_by_run = _fed_by_run(run_dir, ledger)
+    report.unaccounted = fed_by_run if report.foreign_cluster else max(0, fed_by_run - report.fed)
+    if report.unaccounted:
+        report.notes.append(f"the broker cannot account for {report.unaccounted} of the {fed_by_run} task attempts the "
+                            "run fed (its feeder's status and its ledger): they are lost with the broker's log")
     return report
+
+
+def _fed_by_run(run_dir: RunDir, ledger: Ledger) -> int:
+    """Task attempts the run itself says it fed: what its feeder counted (`sao run`), at least what it trained."""
+    fed = read_status(run_dir.status("feeder")).get("fed")
+    return max(fed if _is_count(fed) else 0, len(ledger.times_trained()))
 
 
 def classify(scan: TopicScan, ledger: Ledger, checkpoint: dict[str, Any] | None, finished: bool, max_reuse: int,
@@ -231,6 +251,9 @@ def report_table(report: AuditReport) -> Table:
     ledger = report.ledger
     table.add_row("ledger", str(ledger["steps"]), f"steps; {ledger['resumes']} resumes, {ledger['rolled_back_steps']} "
                   f"rolled-back steps, {ledger['undecodable_lines']} undecodable lines")
+    if report.unaccounted:
+        table.add_row("lost: not on this broker", str(report.unaccounted), "fed by the run, not in these topics",
+                      style="red")
     for note in report.notes:
         table.add_row("note", "", Text(note))
     return table

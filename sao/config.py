@@ -199,6 +199,12 @@ class SamplerConfig(Section):
     max_version_jump: int = Field(
         1000, ge=1, description="An announced version more than this above the newest one read so far is refused "
                                 "as implausible (as is a negative one, or one above 2^62).")
+    max_task_bytes: int = Field(
+        64 * 1024, ge=1024, description="A task message larger than this is dead-lettered unread (too-large).")
+    max_prompt_tokens: int = Field(
+        4096, ge=16, description="A task whose first context (prompt + observation) has more tokens than this, or "
+                                 "than the model's context minus policy.max_new_tokens, is dead-lettered (too-large) "
+                                 "before any generation.")
 
 
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
@@ -266,6 +272,10 @@ class TrainerConfig(Section):
         description="A trajectory message larger than this is dead-lettered unread (too-large). The dead-letter "
                     "topic carries the original bytes up to the producer's limit (MAX_MESSAGE_BYTES in "
                     "sao/transport/kafka.py); beyond it only the headers, and the message stays at its source offset.")
+    max_trajectory_tokens: int = Field(
+        65536, ge=16, description="A trajectory whose steps' rows (prompt + memory + recent steps + observation + action) "
+                                  "hold more tokens than this in all, or one row more than the model's positions, is "
+                                  "dead-lettered (too-large) before any tensor is built.")
     sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
     checkpoint_every: int = Field(100, ge=1, description="Save a DeepSpeed checkpoint + offsets every N steps.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: run forever).")

@@ -193,9 +193,10 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
         while True:
             samplers = read_all_status(run_dir.status_dir, "sampler-")
             trainer = read_status(run_dir.status("trainer"))
-            if feeder.top_up(handled=handled_by_trainer(trainer),
-                             policy_version=trainer.get("policy_version", 0)) and feeder.sync:
-                write_status(run_dir.status("feeder"), {"mode": "sync", "releases": feeder.releases})
+            if feeder.top_up(handled=handled_by_trainer(trainer), policy_version=trainer.get("policy_version", 0)):
+                # What the run fed, for `sao audit` to hold against a broker that may have lost it.
+                write_status(run_dir.status("feeder"), {"mode": "sync" if feeder.sync else "async", "fed": feeder.fed,
+                                                        **({"releases": feeder.releases} if feeder.sync else {})})
             produced = sum(s.get("produced", 0) for s in samplers.values())
             versions = ",".join(f"v{s.get('policy_version', 0)}" for s in samplers.values())
             progress.update(produced_bar, completed=produced, info=f"samplers on {versions or '-'}")

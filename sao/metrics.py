@@ -281,14 +281,26 @@ def record_encode(encoder: str, sentences: int, seconds: float) -> None:
 # entry per reader would repeat the same bad announcement many times over.
 TRANSPORT_ANNOUNCEMENTS_REFUSED = Counter(
     "sao_transport_announcements_refused_total",
-    "Policy announcements a reader refused, by reason: its bytes (decode-error, ...), its version, or the "
-    "weights file it names (outside-folder, wrong-name, not-a-file, too-large, size, sha256, format, tensors, ...).",
+    "Policy announcements a reader refused, by reason: its bytes (decode-error, ...), its signature (unsigned, "
+    "bad-signature, no-key), its version, or the weights file it names (outside-folder, wrong-name, not-a-file, "
+    "too-large, size, sha256, format, tensors, ...).",
     ["reason"])
 
 
 def record_announcement_refused(reason: str) -> None:
     """A policy announcement was refused for `reason` (a short code) and skipped."""
     TRANSPORT_ANNOUNCEMENTS_REFUSED.labels(reason=reason).inc()
+
+
+SAMPLER_VERSIONS_BEHIND = Gauge(
+    "sao_sampler_versions_behind",
+    "Policy versions between the newest authentic announcement and the version this sampler uses; over "
+    "trainer.max_staleness, its trajectories are dead-lettered as too-stale.", ["sampler"])
+
+
+def record_versions_behind(sampler_id: str, behind: int) -> None:
+    """Sampler `sampler_id` uses a version `behind` versions older than the newest announced."""
+    SAMPLER_VERSIONS_BEHIND.labels(sampler=sampler_id).set(behind)
 
 
 # --- Broker health (sao/transport/health.py) -----------------------------------------------------

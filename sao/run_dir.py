@@ -7,6 +7,8 @@ RUN_DIR/
   logs/<process>.log     broker, trainer, sampler-N, eval-vNNNNNN
   status/<process>.json  progress files (sao/status.py): trainer, trainer-rankN, sampler-N
   policy/policy-vNNNNNN.safetensors (+ .json sidecar with its sha256): the last kept versions
+  policy/.announce-key   the key announcements are signed with (the trainer makes it, samplers read it)
+  cluster-id             the Kafka cluster id at the run's first start: a resume elsewhere is refused
   checkpoints/           DeepSpeed checkpoints with sao's state (sao/trainer/checkpoint.py)
   trained.jsonl          the ledger: which trajectories each optimizer step trained on
   eval/vNNNNNN.json      `sao eval` results (eval/heldout.json: base vs final and kept versions, paired)
@@ -46,11 +48,19 @@ class RunDir:
     latest_checkpoint = _at("checkpoints", "latest")  # names the tag of the newest complete checkpoint
     ledger = _at("trained.jsonl")
     policy_dir = _at("policy")
+    cluster_id = _at("cluster-id")  # the Kafka cluster this run was first started on
     heldout = _at("eval", "heldout.json")  # the paired held-out comparison that ends `sao run`
     shadow_dir = _at("shadow")
     shadow_request = _at("shadow", "request.json")  # trainer -> scorer: the one version to score next
     shadow_board = _at("shadow", "board.json")  # trainer: every score, the best version, drops, rollbacks
     best_weights = _at("policy", "best")  # a link to the best version's weights file (none while v0 is best)
+
+    def recorded_cluster_id(self) -> str | None:
+        """The Kafka cluster id recorded at the run's first start (None: none, as in runs from before it was)."""
+        try:
+            return self.cluster_id.read_text().strip() or None
+        except OSError:
+            return None
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"

@@ -415,10 +415,21 @@ class PolicyAnnouncement:
     num_bytes: int
     trainer_step: int
     created_at: float = field(default_factory=time.time)
+    # HMAC-SHA256 (hex) of the fields above under the run's announcement key (sao/transport/announcements.py);
+    # "" = unsigned, which samplers ignore. Absent on the wire = "".
+    signature: str = ""
+
+    def signed_fields(self) -> bytes:
+        """The bytes a signature covers: every field but the signature, in a fixed order."""
+        return msgpack.packb([self.policy_version, self.weights_path, self.sha256, self.num_bytes, self.trainer_step,
+                              self.created_at], use_bin_type=True)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.policy_version, "weights_path": self.weights_path, "sha256": self.sha256,
+        wire = {"version": self.policy_version, "weights_path": self.weights_path, "sha256": self.sha256,
                 "num_bytes": self.num_bytes, "trainer_step": self.trainer_step, "created_at": self.created_at}
+        if self.signature:
+            wire["signature"] = self.signature
+        return wire
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> PolicyAnnouncement:
@@ -426,7 +437,8 @@ class PolicyAnnouncement:
         _require(len(sha) == 64, "sha256", "expected 64 hex characters")
         return cls(policy_version=_get(obj, "version", int), weights_path=_get(obj, "weights_path", str), sha256=sha,
                    num_bytes=_get(obj, "num_bytes", int), trainer_step=_get(obj, "trainer_step", int),
-                   created_at=float(_get(obj, "created_at", (int, float))))
+                   created_at=float(_get(obj, "created_at", (int, float))),
+                   signature=_get(obj, "signature", str) if "signature" in obj else "")
 
 
 _KINDS: dict[str, type] = {"task": Task, "trajectory": Trajectory, "policy": PolicyAnnouncement}

@@ -189,3 +189,33 @@ def test_training_after_the_checkpoint_and_a_foreign_cluster_are_pointed_out(han
     report = audit(config, run_dir, kafka_bootstrap, timeout=30, quiet_period=1)
     assert report.checkpoint_step == 0 and report.trained_after_checkpoint == 1  # task-0#0, in step 1
     assert any("'gone-cluster'" in note and "not the run's log" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("cluster", ["gone-cluster", None])
+def test_a_broker_that_lost_the_run_cannot_audit_clean(kafka_bootstrap, tiny_config, unique_topic_prefix, tmp_path,
+                                                       cluster):
+    """Issue 27: after the in-memory broker was lost, audit against the new one said "0 fed", clean, exit 0, for a
+    run that lost 32 of its 40 tasks. The run's own records (feeder status, ledger, the cluster it started on) now
+    say what the broker must account for. Without a recorded cluster (a run from before it was recorded), the
+    topics holding fewer tasks than the run fed still fail it."""
+    base = tiny_config.model_copy(deep=True)
+    base.broker.bootstrap_servers = kafka_bootstrap
+    config = _config_on_own_topics(base, unique_topic_prefix)  # empty topics: the new broker's
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.ledger.parent.mkdir(parents=True)
+    run_dir.ledger.write_text("".join(json.dumps({"step": s, "trajectory_ids": [f"train/t/{4 * s + i}#0" for i in
+                                                                                  range(4)]}) + "\n" for s in (0, 1)))
+    write_status(run_dir.status("trainer"), {"step": 2, "finished": True})
+    write_status(run_dir.status("feeder"), {"mode": "async", "fed": 40})
+    if cluster:
+        run_dir.cluster_id.write_text(cluster + "\n")
+
+    report = audit(config, run_dir, kafka_bootstrap, timeout=30, quiet_period=1)
+    assert report.fed == 0 and not report.clean and report.unaccounted == 40
+    assert (report.foreign_cluster == cluster) if cluster else report.foreign_cluster is None
+    assert any("cannot account for 40 of the 40 task attempts" in note for note in report.notes)
+    config_path = tmp_path / "sao.toml"
+    config_path.write_text(to_toml(config))
+    result = _sao_audit(config_path, kafka_bootstrap, run_dir.root)
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "lost: not on this broker" in result.stdout and "40" in result.stdout

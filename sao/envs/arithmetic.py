@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 from sao.config import EnvConfig
-from sao.envs.base import Feedback, GenerationDefaults, check_split
+from sao.envs.base import Feedback, GenerationDefaults, InvalidTask, check_split
 from sao.schema import Task
 
 HELDOUT_BUCKETS = 2  # a question is held out when sha256(question) % this == 0: half of any domain
@@ -34,6 +34,14 @@ _BLOCK = 1024
 # Entries read without finding a new task of the split: the domain holds no more (a small domain's
 # eval split then repeats from its start, like humaneval's). Each read is cheap (microseconds).
 _GIVE_UP = 20_000
+# What a task spec may ask of reasoning-gym (check_spec): far above the difficulty knobs of any useful task, far
+# below what stalls a sampler. Options not named here are bounded by MAX_OPTION_INT, and whatever question they
+# give still meets the sampler's prompt bound (sampler.max_prompt_tokens).
+OPTION_LIMITS = {"min_terms": 64, "max_terms": 64, "min_digits": 18, "max_digits": 18}
+MAX_OPTION_INT = 10**9
+MAX_OPTION_LENGTH = 64  # items in a list option (operators ...) or characters in a string one
+MAX_OPTIONS = 64
+MAX_DATASET_SIZE = 2**31  # reasoning-gym draws entry i lazily, so size only has to fit its integers
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -129,6 +137,28 @@ def every_line(text: str) -> set[str]:
     return {line.strip().casefold() for line in text.splitlines() if line.strip()}
 
 
+def check_spec(spec: dict[str, Any]) -> None:
+    """Refuse (InvalidTask) a spec whose fields are of the wrong type or whose options ask for more than any
+    sensible task: the generator builds the whole question before the env's time limit can help, and a question
+    of 100,000 terms costs every sampler that picks it up its memory."""
+    types = {"dataset": str, "size": int, "seed": int, "index": int, "options": dict}
+    wrong = sorted(key for key, kind in types.items() if type(spec.get(key)) is not kind)
+    if wrong:
+        raise InvalidTask(f"spec field(s) {wrong} missing or of the wrong type (expected {types})")
+    if not 0 <= spec["index"] < spec["size"] <= MAX_DATASET_SIZE:
+        raise InvalidTask(f"need 0 <= index < size <= {MAX_DATASET_SIZE}; got index {spec['index']}, size "
+                          f"{spec['size']}")
+    options = spec["options"]
+    if len(options) > MAX_OPTIONS:
+        raise InvalidTask(f"{len(options)} options, more than {MAX_OPTIONS}")
+    for key, value in options.items():
+        limit = OPTION_LIMITS.get(key, MAX_OPTION_INT)
+        if isinstance(value, (int, float)) and not -limit <= value <= limit:
+            raise InvalidTask(f"option {key} = {value} is outside [-{limit}, {limit}]")
+        if isinstance(value, (str, list, dict)) and len(value) > MAX_OPTION_LENGTH:
+            raise InvalidTask(f"option {key} holds {len(value)} items, more than {MAX_OPTION_LENGTH}")
+
+
 class ArithmeticEnv:
     """Up to `max_turns` attempts; a right answer at attempt k earns score * retry_discount**k.
 
@@ -183,6 +213,7 @@ class ArithmeticEnv:
         self._turn = 0
 
     def reset(self, spec: dict[str, Any]) -> str:
+        check_spec(spec)  # before reasoning-gym builds anything from it
         self._dataset = _dataset(spec["dataset"], spec["size"], spec["seed"], _options_key(spec["options"]))
         self._entry = self._dataset[spec["index"]]
         self._turn = 0

@@ -18,6 +18,11 @@ def check_split(env_name: str, split: str) -> None:
         raise ValueError(f"{env_name} has the splits {' and '.join(map(repr, SPLITS))}, not {split!r}")
 
 
+class InvalidTask(ValueError):
+    """A task spec the env refuses before building anything (DLQ reason invalid-task): options beyond its limits,
+    or of the wrong type. Task specs are untrusted input; what they make an env build must be bounded."""
+
+
 @dataclass(frozen=True)
 class Feedback:
     """What an environment answers to one action."""

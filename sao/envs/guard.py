@@ -1,9 +1,10 @@
 """Call environment code (built-in or a user's plugin) so that its failures end one episode only.
 
 An env that raises, or runs past `env.step_timeout_s`, turns into `EnvFailure` with a DLQ
-reason ("env-error" or "env-timeout"); the sampler dead-letters the task and goes on. The time
-limit uses SIGALRM, so it interrupts Python code in the sampler's main thread; code that runs
-untrusted programs (e.g. unit tests of generated code) must still use its own subprocess limits.
+reason ("env-error" or "env-timeout"; "invalid-task" for a spec the env refused as `InvalidTask`);
+the sampler dead-letters the task and goes on. The time limit uses SIGALRM, so it interrupts
+Python code in the sampler's main thread; code that runs untrusted programs (e.g. unit tests of
+generated code) must still use its own subprocess limits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TypeVar
+
+from sao.envs.base import InvalidTask
 
 T = TypeVar("T")
 
@@ -51,6 +54,8 @@ def call_env(what: str, function: Callable[..., T], *args, timeout_s: float) -> 
     try:
         with _time_limit(timeout_s):
             return function(*args)
+    except InvalidTask as err:
+        raise EnvFailure("invalid-task", f"{what}: {err}") from err
     except _Timeout:
         raise EnvFailure("env-timeout", f"{what} ran longer than env.step_timeout_s={timeout_s:g} s") from None
     except Exception as err:  # the env is user code: any failure of it ends this episode only

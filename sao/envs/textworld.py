@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sao.config import EnvConfig
-from sao.envs.base import Feedback, GenerationDefaults, check_split
+from sao.envs.base import Feedback, GenerationDefaults, InvalidTask, check_split
 from sao.schema import Task
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ DEFAULT_OPTIONS: dict[str, int] = {
     "loops": 4,  # extra passages added to the spanning tree, so routes are not unique
     "max_steps": 1000,  # actions before the episode ends unsolved
 }
+# Bounds on what a task may ask for (docs/reliability.md): far above any useful task, far below a stalled sampler.
+MAX_SIZE = 64
+MAX_STEPS = 100_000
 EVAL_SEED_OFFSET = 1_000_003  # held-out worlds: a seed no training run uses by default (as in arithmetic)
 
 
@@ -172,10 +175,17 @@ def task_options(spec: dict[str, Any]) -> dict[str, int]:
     """The world options of a spec, defaults filled in and checked."""
     unknown = set(spec) - set(DEFAULT_OPTIONS) - {"seed", "index"}
     if unknown:
-        raise ValueError(f"textworld: unknown option(s) {sorted(unknown)}; known: {sorted(DEFAULT_OPTIONS)}")
-    options = {key: int(spec.get(key, default)) for key, default in DEFAULT_OPTIONS.items()}
-    if options["size"] < 3 or not 1 <= options["gems"] <= len(GEMS) or options["max_steps"] < 1:
-        raise ValueError(f"textworld: need size >= 3, 1 <= gems <= {len(GEMS)}, max_steps >= 1; got {options}")
+        raise InvalidTask(f"textworld: unknown option(s) {sorted(unknown)}; known: {sorted(DEFAULT_OPTIONS)}")
+    options = {key: spec.get(key, default) for key, default in DEFAULT_OPTIONS.items()}
+    wrong = sorted(key for key, value in options.items() if type(value) is not int)
+    if wrong:
+        raise InvalidTask(f"textworld: option(s) {wrong} must be integers")
+    # A task is untrusted input: the maze is built in full before the first move, so its size is bounded.
+    if (not 3 <= options["size"] <= MAX_SIZE or not 1 <= options["gems"] <= len(GEMS)
+            or not 1 <= options["max_steps"] <= MAX_STEPS or not 0 <= options["loops"] <= options["size"] ** 2
+            or options["locked_doors"] < 0 or options["distractors"] < 0):
+        raise InvalidTask(f"textworld: need size >= 3 and <= {MAX_SIZE}, 1 <= gems <= {len(GEMS)}, 1 <= max_steps <= "
+                          f"{MAX_STEPS}, 0 <= loops <= size^2, locked_doors and distractors >= 0; got {options}")
     return options
 
 

@@ -21,7 +21,14 @@ from confluent_kafka import KafkaException
 
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
-from sao.metrics import record_announcement_refused, record_delivery, record_policy_reload, record_rollout
+from sao.envs.registry import task_env
+from sao.metrics import (
+    record_announcement_refused,
+    record_delivery,
+    record_policy_reload,
+    record_rollout,
+    record_versions_behind,
+)
 from sao.policy.weights import (
     WeightsMismatch,
     announced_weights_path,
@@ -32,13 +39,16 @@ from sao.sampler.outbox import Outbox
 from sao.sampler.rollout import LiveEpisode, Roller
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import process_usage, write_status
-from sao.transport.announcements import PolicyFollower
+from sao.transport.announcements import PolicyFollower, read_announce_key
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
-from sao.transport.kafka import TASK_CONSUMER_SETTINGS, RenewingProducer, make_consumer
+from sao.transport.kafka import MAX_MESSAGE_BYTES, TASK_CONSUMER_SETTINGS, RenewingProducer, make_consumer
 from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
+
+# Room for the record framing and sao's headers in a message the sampler produces.
+_PRODUCE_HEADROOM_BYTES = 64 * 1024
 
 
 class Sampler:
@@ -53,10 +63,15 @@ class Sampler:
         self.roller = Roller.from_config(config, sampler_id, seed)
         self.policy = self.roller.policy
         self.policy_version = 0
+        self.env_name = task_env(config.env.name)  # the `env` its tasks carry (None: a plugin unknown here)
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
                          "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,
                          "idle_s": 0.0, "run_s": 0.0}  # idle: no live episode (waiting for tasks or a reload)
-        self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump)
+        # Only announcements signed with the run's key (beside its weights) are read; the key is read when needed.
+        self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump,
+                                              key=lambda: read_announce_key(self.policy_dir))
+        self.missing_refused: set[int] = set()  # versions refused for a missing file (retried; said once)
+        self.behind = False  # more than trainer.max_staleness versions behind the newest announced (said once)
         # Announced weights are read only from here (None: every announcement is refused, said once).
         self.policy_dir = Path(config.sampler.policy_dir) if config.sampler.policy_dir else None
         self.broker_watch = BrokerWatch(bootstrap, sampler_id, config.broker.loss_timeout_s)
@@ -156,7 +171,7 @@ class Sampler:
             taken += 1
             self.offsets.started(msg.topic(), msg.partition(), msg.offset())
             try:
-                task = decode(msg.value(), Task)
+                task = self._decode_task(msg)
             except SchemaError as err:
                 self._dead_letter(msg, err.reason, str(err))
                 self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
@@ -164,6 +179,17 @@ class Sampler:
             record_delivery(msg.topic(), task.created_at, len(msg.value()))
             tasks.append((task, msg))
         return taken, tasks
+
+    def _decode_task(self, msg) -> Task:
+        """The task of `msg`, refused (SchemaError) before any work if it is too large or for another env."""
+        size = len(msg.value() or b"") + len(msg.key() or b"")
+        if size > self.config.sampler.max_task_bytes:  # before decoding: the cost of a huge message is in reading it
+            raise SchemaError("too-large", "value", f"{size} bytes (value and key) is over sampler.max_task_bytes "
+                                                    f"({self.config.sampler.max_task_bytes})")
+        task = decode(msg.value(), Task)
+        if self.env_name is not None and task.env != self.env_name:  # the trainer would refuse its trajectory
+            raise SchemaError("wrong-env", "env", f"{task.env[:100]!r} is not this sampler's env ({self.env_name!r})")
+        return task
 
     def _ready(self, live: list[tuple[LiveEpisode, object]]) -> list[tuple[Task, object]]:
         """The held tasks whose policy version is loaded; the rest stay held (admission pauses).
@@ -224,8 +250,14 @@ class Sampler:
             # The env raised or hung: this task ends here, the sampler goes on.
             self._dead_letter(msg, outcome.reason, str(outcome))
         else:  # finished once the broker has it (`_delivered`); the live episodes go on meanwhile
-            self.outbox.send(encode(outcome), task.task_id, lambda ack_s: self._delivered(msg, outcome, ack_s))
-            return
+            value = encode(outcome)
+            size = len(value) + len(task.task_id.encode())
+            if size <= MAX_MESSAGE_BYTES - _PRODUCE_HEADROOM_BYTES:
+                self.outbox.send(value, task.task_id, lambda ack_s: self._delivered(msg, outcome, ack_s))
+                return
+            # The producer would refuse it and raise: the task goes to the DLQ instead, and the sampler goes on.
+            self._dead_letter(msg, "too-large", f"task {task.task_id[:100]!r}: its trajectory would be {size} bytes "
+                                                f"with its key, over the broker's message limit ({MAX_MESSAGE_BYTES})")
         self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
 
     def _delivered(self, msg, trajectory: Trajectory, ack_s: float) -> None:
@@ -270,18 +302,26 @@ class Sampler:
             log.warning("%s could not commit task offsets: %s", self.sampler_id, err)
 
     def _dead_letter(self, msg, reason: str, detail: str) -> None:
-        self.dlq.send(msg.value(), reason, source_topic=msg.topic(), partition=msg.partition(),
-                      offset=msg.offset(), key=msg.key(), detail=detail)
+        value, key = msg.value(), msg.key()
+        if len(value or b"") + len(key or b"") > MAX_MESSAGE_BYTES - _PRODUCE_HEADROOM_BYTES:
+            # The producer would refuse it (and raise): keep the why and the where instead.
+            detail += (f"; the original message is over what the dead-letter topic carries and stays at "
+                       f"{msg.topic()}[{msg.partition()}]@{msg.offset()}")
+            value = key = None
+        self.dlq.send(value, reason, source_topic=msg.topic(), partition=msg.partition(),
+                      offset=msg.offset(), key=key, detail=detail)
         self.counters["dead_lettered"] += 1
 
     def _follow_policy(self, reload_now: bool) -> None:
         """Note the newest version on offer; load it once no episode is live (`reload_now`).
 
         Its path is checked on arrival (a refused one never pauses admission), its file at load.
-        A refused version is logged once and never read again; the follower offers the newest
-        one below it instead, and meanwhile the sampler goes on with its current policy.
+        A refused announcement is logged once and not read again (a missing file is tried again
+        later); the follower offers the newest version below it instead, and meanwhile the sampler
+        goes on with its current policy.
         """
         announcement = self.policy_follower.poll()
+        self._check_lag()
         if (announcement is not None and announcement.policy_version > self.policy_version
                 and announcement is not self.pending):
             try:
@@ -300,12 +340,30 @@ class Sampler:
             self._refuse(announcement, err)
             return
         self.policy_follower.loaded(announcement.policy_version)
+        self.missing_refused = {v for v in self.missing_refused if v > announcement.policy_version}
         reload_s = time.perf_counter() - started
         self.policy_version = announcement.policy_version
         self.counters["reloads"] += 1
         self.counters["reload_s"] += reload_s
         record_policy_reload(self.policy_version, reload_s)
         log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.policy_version, reload_s)
+
+    def _check_lag(self) -> None:
+        """Say loudly (log, metric) when this sampler is more than trainer.max_staleness versions behind the newest
+        authentic announcement: everything it produces then is dead-lettered as too-stale."""
+        newest = self.policy_follower.newest_read
+        behind = 0 if newest is None else max(0, newest - self.policy_version)
+        record_versions_behind(self.sampler_id, behind)
+        limit = self.config.trainer.max_staleness
+        if behind > limit and not self.behind:
+            log.error("%s is %d policy versions behind the newest announced (v%d, it has v%d), over "
+                      "trainer.max_staleness = %d: the trainer will dead-letter its trajectories as too-stale. "
+                      "See this sampler's refusals above (weights folder readable? files pruned too soon?)",
+                      self.sampler_id, behind, newest, self.policy_version, limit)
+        elif behind <= limit and self.behind:
+            log.warning("%s caught up: v%d, %d behind the newest announced", self.sampler_id, self.policy_version,
+                        behind)
+        self.behind = behind > limit
 
     def _weights_path(self, announcement: PolicyAnnouncement) -> Path:
         if self.policy_dir is None:
@@ -314,11 +372,15 @@ class Sampler:
         return announced_weights_path(announcement.weights_path, announcement.policy_version, self.policy_dir)
 
     def _refuse(self, announcement: PolicyAnnouncement, err: OSError | WeightsMismatch) -> None:
-        """Skip a version for good: pruned before this (lagging) sampler got to it, unreadable, or unsafe."""
-        self.policy_follower.refused(announcement.policy_version)
+        """Skip an announcement: its file unreadable or unsafe (for good), or not there (tried again later: not
+        written yet where this sampler reads it, or pruned before this lagging sampler got to it)."""
         reason = getattr(err, "reason", "missing" if isinstance(err, FileNotFoundError) else "unreadable")
+        self.policy_follower.refused(announcement.policy_version, missing=reason == "missing")
         record_announcement_refused(reason)
-        if reason == "no-policy-dir" and self.counters["refused"]:  # every version is refused: said once is enough
+        said = reason == "missing" and announcement.policy_version in self.missing_refused
+        if reason == "missing":
+            self.missing_refused.add(announcement.policy_version)
+        if said or (reason == "no-policy-dir" and self.counters["refused"]):  # said once is enough
             log.debug("%s refused policy v%d: %s", self.sampler_id, announcement.policy_version, err)
         else:
             log.warning("%s refused policy v%d (%s): %s; it goes on with policy v%d%s", self.sampler_id,

@@ -39,11 +39,12 @@ class LiveEpisode:
         self.limit = roller.config.env.step_timeout_s
         task_text = call_env("env.reset", env.reset, task.spec, timeout_s=self.limit)
         self.prompt_ids = roller.chat.prompt(task_text)
+        self.observation_text, self.observation_ids = task_text, roller.chat.first_observation(task_text)
+        roller.check_prompt(len(self.prompt_ids) + len(self.observation_ids))  # before the compressor or any generation
         # A temporal filter holds one trajectory's LSTM state: each episode gets its own.
         self.compressor = OnlineCompressor(roller.encoder, roller.temporal_filter.fork(),
                                            recent_window=roller.config.compression.recent_window,
                                            bottleneck=roller.bottleneck)
-        self.observation_text, self.observation_ids = task_text, roller.chat.first_observation(task_text)
         self.finished: list[tuple[np.ndarray, np.ndarray]] = []
         self.steps: list[Step] = []
         self.done = False
@@ -113,6 +114,17 @@ class Roller:
         self.bottleneck = bottleneck  # memory slots travel as its coordinates; None: the encoder's full width
         self.sampler_id = sampler_id
         self.generator = torch.Generator().manual_seed(seed)
+        positions = getattr(getattr(getattr(policy, "lm", None), "config", None), "max_position_embeddings", None)
+        self.max_prompt_tokens = config.sampler.max_prompt_tokens
+        if isinstance(positions, int):  # the first action must fit in the model's context after the prompt
+            self.max_prompt_tokens = min(self.max_prompt_tokens, positions - self.generation.max_new_tokens)
+
+    def check_prompt(self, tokens: int) -> None:
+        """Refuse (too-large) a task whose first context is over the bound: a task is untrusted input, and a
+        long one costs every sampler that picks it up its memory (attention over the whole context)."""
+        if tokens > self.max_prompt_tokens:
+            raise EnvFailure("too-large", f"the task's first context is {tokens} tokens, over {self.max_prompt_tokens} "
+                                          "(sampler.max_prompt_tokens, or the model's context less policy.max_new_tokens)")
 
     @classmethod
     def from_config(cls, config: SaoConfig, sampler_id: str, seed: int = 0) -> Roller:

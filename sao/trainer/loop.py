@@ -44,6 +44,7 @@ from sao.trainer.checkpoint import (
 from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
 from sao.trainer.publisher import PolicyPublisher
+from sao.trainer.run_cluster import bind_run_to_cluster
 from sao.trainer.shadow import Drop, ShadowBoard, ShadowScorerProcess, link_best
 from sao.trainer.snapshots import OptimizerSnapshots
 from sao.trainer.training_step import StepOutcome, train_step
@@ -105,6 +106,8 @@ class Trainer:
         self.broker_watch = BrokerWatch(bootstrap, "trainer", config.broker.loss_timeout_s) if self.is_leader else None
         if restored and self.is_leader:  # its offsets mean nothing in another cluster's (empty) log
             self.broker_watch.expect_cluster(restored.broker_cluster_id, f"checkpoint step {restored.step}")
+        if self.is_leader:  # with or without a checkpoint, a resume on another cluster is refused
+            bind_run_to_cluster(self.run_dir, self.broker_watch, resume)
         self.committed_offsets: dict[int, int] = {}  # this life's last commit, named if the broker is lost
         self.producer = RenewingProducer(bootstrap, self.broker_watch) if self.is_leader else None
         self.publisher = PolicyPublisher(self.producer, config.topics.policy, self.run_dir,

@@ -16,7 +16,7 @@ from sao.policy.weights import write_weights
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
 from sao.trainer.engine import gather_full_state
-from sao.transport.announcements import announce
+from sao.transport.announcements import announce, ensure_announce_key, sign
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ class PolicyPublisher:
         self.run_dir = run_dir
         self.keep_versions = keep_versions
         self.pinned: set[int] = set()  # versions kept beyond keep_versions (shadow validation's best and pending)
+        # Samplers read only announcements signed with the run's key, kept beside the weights (made once per run).
+        self.key = ensure_announce_key(run_dir.policy_dir)
 
     def publish(self, engine, version: int, trainer_step: int) -> PolicyAnnouncement | None:
         """Collective: every rank must call it. Rank 0 writes and announces; others get None."""
@@ -39,6 +41,7 @@ class PolicyPublisher:
         sha256 = write_weights({k: v for k, v in state.items() if not k.startswith("value_head.")}, path)
         announcement = PolicyAnnouncement(policy_version=version, weights_path=str(path.resolve()), sha256=sha256,
                                           num_bytes=path.stat().st_size, trainer_step=trainer_step)
+        announcement = sign(announcement, self.key)
         # The same facts next to the file, so `sao eval` can verify a version without Kafka.
         self.run_dir.weights_sidecar(version).write_text(json.dumps(announcement.to_wire()))
         announce(self.producer, self.topic, announcement)

@@ -42,6 +42,8 @@ class TrajectoryValidator:
     max_turns: int | None = None  # env.max_turns: a sampler ends every episode there
     env: str | None = None  # the `env` the run's tasks carry; None when the env class is not importable here
     memory_basis: str = ""  # the bottleneck identity memory must be coded in; "" = the encoder's full width
+    max_tokens: int | None = None  # trainer.max_trajectory_tokens: every scored row's tokens together
+    max_positions: int | None = None  # the model's positions: the longest row it can score
 
     @classmethod
     def for_model(cls, model: nn.Module, memory_dim: int, config: SaoConfig,
@@ -53,7 +55,8 @@ class TrajectoryValidator:
         if output is not None:
             vocab_size = min(vocab_size, output.out_features)
         return cls(vocab_size, memory_dim, config.trainer.max_abs_reward, config.trainer.max_trajectory_bytes,
-                   config.env.max_turns, task_env(config.env.name), memory_basis)
+                   config.env.max_turns, task_env(config.env.name), memory_basis,
+                   config.trainer.max_trajectory_tokens, getattr(lm.config, "max_position_embeddings", None))
 
     def check_size(self, num_bytes: int) -> None:
         """Before decoding: a message over `trainer.max_trajectory_bytes` is refused unread."""
@@ -63,9 +66,11 @@ class TrajectoryValidator:
 
     def validate(self, trajectory: Trajectory, policy_version: int) -> None:
         """Raise SchemaError (reason, field) unless this trainer can train on `trajectory` at `policy_version`."""
+        self._check_run(trajectory)  # the step count first: the token count below walks the steps
+        self._check_token_counts(trajectory)
         self._check_versions_and_settings(trajectory, policy_version)
-        self._check_run(trajectory)
         self._check_memory(trajectory)
+        self._check_spans(trajectory)
         self._check_tokens(trajectory)
         self._check_steps(trajectory)
 
@@ -74,8 +79,6 @@ class TrajectoryValidator:
             raise SchemaError("future-version", "behaviour_version",
                               f"v{trajectory.behaviour_version} is newer than this trainer's v{policy_version}: "
                               "no such policy was published")
-        if trajectory.recent_window < 0:
-            raise SchemaError("out-of-range", "recent_window", f"{trajectory.recent_window} is negative")
         _finite(trajectory.created_at, "created_at")
         _finite(trajectory.temperature, "temperature")
         if not MIN_TEMPERATURE <= trajectory.temperature <= MAX_TEMPERATURE:
@@ -96,6 +99,47 @@ class TrajectoryValidator:
         if self.max_turns is not None and len(trajectory.steps) > self.max_turns:
             raise SchemaError("out-of-range", "steps", f"{len(trajectory.steps)} steps is over env.max_turns "
                                                        f"({self.max_turns}): no sampler of this run plays that many")
+
+    def _check_token_counts(self, trajectory: Trajectory) -> None:
+        # What scoring builds is one row per step (sao/policy/context.py), so its cost is the rows' lengths, which
+        # the message's array shapes give without touching a token: a byte bound is not a token bound.
+        if trajectory.recent_window < 0:
+            raise SchemaError("out-of-range", "recent_window", f"{trajectory.recent_window} is negative")
+        prompt, window = len(trajectory.prompt_ids), trajectory.recent_window
+        pair_lengths: list[int] = []
+        total = 0
+        for i, step in enumerate(trajectory.steps):
+            recent = sum(pair_lengths[len(pair_lengths) - window:]) if window else 0
+            pair = len(step.observation_ids) + len(step.action_ids)
+            row = prompt + step.memory_count + recent + pair
+            if self.max_positions is not None and row > self.max_positions:
+                raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens (prompt, memory, recent steps, "
+                                                              f"observation, action) is over the model's "
+                                                              f"{self.max_positions} positions")
+            total += row
+            if self.max_tokens is not None and total > self.max_tokens:
+                raise SchemaError("too-large", "steps", f"its rows hold over {self.max_tokens} tokens "
+                                                        f"(trainer.max_trajectory_tokens) by step {i}")
+            pair_lengths.append(pair)
+
+    def _check_spans(self, trajectory: Trajectory) -> None:
+        # A slot stands for consecutive earlier steps, slots in step order (sao/compression/pipeline.py); offline
+        # tools index steps by these spans, so one pointing nowhere is refused, not trained on.
+        spans = trajectory.memory.spans
+        if not len(spans):
+            return
+        firsts, lasts = spans[:, 0].astype(np.int64), spans[:, 1].astype(np.int64)
+        steps = len(trajectory.steps)
+        if firsts.min() >= 0 and lasts.max() < steps and (firsts <= lasts).all() and (firsts[1:] > lasts[:-1]).all():
+            return
+        for k, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist())):
+            if not 0 <= first <= last < steps:
+                raise SchemaError("invalid-memory", f"memory.spans[{k}]",
+                                  f"({first}, {last}) is not a span of steps 0..{steps - 1} (first <= last)")
+            if k and first <= int(lasts[k - 1]):
+                raise SchemaError("invalid-memory", f"memory.spans[{k}]",
+                                  f"({first}, {last}) does not follow the previous slot's span, which ends at step "
+                                  f"{int(lasts[k - 1])}: slots stand for consecutive steps in order")
 
     def _check_memory(self, trajectory: Trajectory) -> None:
         memory = trajectory.memory

@@ -173,3 +173,21 @@ def test_seeds_draw_their_own_training_questions():
     assert len(set(zero[1:]) & set(one[:-1])) < 24  # shifted by one, 31 of 31 used to match
     assert zero != one != two
     assert sum(a == b for a, b in zip(zero[1:], one)) < 8
+
+
+@pytest.mark.parametrize("change", [{"options": {"min_terms": 100_000, "max_terms": 100_000}},
+                                    {"options": {"max_digits": 10**6}}, {"options": {"operators": ["+"] * 1000}},
+                                    {"index": 2**40}, {"size": 2**40}, {"index": -1}, {"options": None},
+                                    {"seed": "0"}])
+def test_a_task_asking_for_more_than_any_sensible_question_is_refused_before_it_is_built(change):
+    """Issue 27: 100,000 terms built a 409,100-character question in 0.15 s, under any env time limit, and the
+    sampler then spun for minutes on it."""
+    from sao.envs.arithmetic import ArithmeticEnv
+    from sao.envs.guard import EnvFailure, call_env
+
+    spec = make_tasks(EnvConfig(), 1)[0].spec
+    options = {**spec["options"], **change["options"]} if change.get("options") else change.get("options", 0)
+    hostile = {**spec, **change, **({"options": options} if "options" in change else {})}
+    with pytest.raises(EnvFailure) as refused:
+        call_env("env.reset", ArithmeticEnv().reset, hostile, timeout_s=5)
+    assert refused.value.reason == "invalid-task", refused.value

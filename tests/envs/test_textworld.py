@@ -30,6 +30,17 @@ def test_unknown_or_bad_option_fails_naming_it():
         make_tasks(CONFIG.model_copy(update={"options": {"size": 2}}), 1)
 
 
+@pytest.mark.parametrize("option", [{"size": 100_000}, {"loops": 10**9}, {"max_steps": 10**9}, {"size": "12"}])
+def test_a_task_asking_for_a_huge_world_is_refused_before_it_is_built(option):
+    """Issue 27: a task is untrusted input, and the maze is built whole at reset."""
+    from sao.envs.base import InvalidTask
+    from sao.envs.guard import EnvFailure, call_env
+
+    with pytest.raises(EnvFailure) as refused:
+        call_env("env.reset", TextWorldEnv().reset, {**_task(0).spec, **option}, timeout_s=5)
+    assert refused.value.reason == "invalid-task" and isinstance(refused.value.__cause__, InvalidTask)
+
+
 def test_worlds_are_deterministic_and_differ_by_index():
     spec = _task(0).spec
     assert TextWorldEnv().reset(spec) == TextWorldEnv().reset(dict(spec))

@@ -1,8 +1,8 @@
 """Property-based fuzz of what a sampler reads (issue 12, item 5), against the real broker.
 
 `sao.policy`: 10,000 hostile announcements (and garbage) through the real follower and the sampler's
-reload path. Nothing raises; each message is refused (its bytes or version by the follower, its file
-by the sampler), loaded, or passed over for a newer version that was loaded; only a sound file is ever
+reload path. Nothing raises; each message is ignored (no valid signature), refused (its bytes or version
+by the follower, its file by the sampler), loaded, or passed over for a newer version that was loaded; only a sound file is ever
 loaded, so no weight turns non-finite; the trainer's resume path and `sao inspect` read the topic too.
 
 `sao.tasks`: 10,000 hostile task messages through the sampler's real intake (decode, then the env's
@@ -17,7 +17,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgpack
@@ -28,7 +28,14 @@ from hypothesis import strategies as st
 from sao.policy.weights import WeightsMismatch, read_weights_into, sha256_file, unique_state_dict, write_weights
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement, SchemaError, Task, decode, encode
-from sao.transport.announcements import MAX_POLICY_VERSION, latest_announced_version
+from sao.transport import announcements
+from sao.transport.announcements import (
+    MAX_POLICY_VERSION,
+    ensure_announce_key,
+    latest_announced_version,
+    read_announce_key,
+    sign,
+)
 from sao.transport.dlq import describe_dlq_message
 from sao.transport.kafka import make_producer, read_all
 from support.fault_runs import on_own_topics
@@ -48,12 +55,13 @@ def sampler(kafka_bootstrap, tiny_config, tmp_path_factory):
     from sao.sampler.loop import Sampler
 
     config = on_own_topics(tiny_config, kafka_bootstrap, "fuzz-sampler")
-    # A task's options can make reasoning-gym spin (max_terms 2^31): each costs the sampler its env time
-    # limit. Short here, so that the ~90 such tasks drawn cost seconds; a healthy reset takes ~1 ms.
+    # Options beyond the env's limits are refused before anything is built; any that still make reasoning-gym
+    # spin cost the sampler its env time limit, short here so that they cost seconds (a healthy reset takes ~1 ms).
     config.env.step_timeout_s, config.policy.max_new_tokens = 0.05, 4
     built = Sampler(config, kafka_bootstrap, "s-fuzz")
     built.policy_dir = tmp_path_factory.mktemp("fuzz-sampler") / "run" / "policy"
     built.policy_dir.mkdir(parents=True)
+    ensure_announce_key(built.policy_dir)  # the trainer's key: the sampler reads only what it signed
     yield built
     built.close()
 
@@ -103,6 +111,8 @@ ANNOUNCEMENTS = st.fixed_dictionaries({
                              "nul", "long", "outside"]),
     "sha256": st.sampled_from(["right", "right", "zeros", "other"]),
     "num_bytes": st.sampled_from(["right", "right", "plus-one", "zero", "negative", "huge"]),
+    # Issue 27: anyone who can write to the topic can announce; only the trainer holds the key.
+    "signature": st.sampled_from(["right"] * 6 + ["none", "other-key", "altered"]),
 })
 
 
@@ -111,6 +121,7 @@ class Announcer:
     """Turns what an announcement says into its bytes, and places the file it names on first mention."""
 
     files: WeightFiles
+    key: bytes
     newest: int = 0
     kind_of: dict[int, str] = field(default_factory=dict)  # a version's file is the same in all its announcements
 
@@ -131,7 +142,12 @@ class Announcer:
         size = self.files.size.get(kind, 1000)
         num_bytes = {"right": size, "plus-one": size + 1, "zero": 0, "negative": -1,
                      "huge": 2**63 - 1}[spec["num_bytes"]]
-        return encode(PolicyAnnouncement(version, path, sha, num_bytes, trainer_step=0))
+        announcement = PolicyAnnouncement(version, path, sha, num_bytes, trainer_step=0)
+        how = spec.get("signature", "right")
+        if how == "none":
+            return encode(announcement)
+        signed = sign(announcement, b"f" * 64 if how == "other-key" else self.key)
+        return encode(replace(signed, trainer_step=1) if how == "altered" else signed)
 
 
 def _decodes_or_refuses(kind):
@@ -174,17 +190,22 @@ def test_a_weights_file_holding_nan_or_inf_is_refused_though_its_hash_is_right(s
 
 @pytest.mark.slow
 def test_every_hostile_announcement_is_refused_loaded_or_passed_over_and_only_sound_files_load(
-        sampler, kafka_bootstrap, tmp_path, caplog):
+        sampler, kafka_bootstrap, tmp_path, caplog, monkeypatch):
     caplog.set_level(logging.WARNING)
     files = WeightFiles(sampler, tmp_path / "pool")
-    announcer = Announcer(files)
+    announcer = Announcer(files, read_announce_key(sampler.policy_dir))
+    monkeypatch.setattr(announcements, "MISSING_RETRY_S", 1e9)  # a missing file is retried: not within this test
+    ignored: set[int] = set()  # offsets of announcements without a valid signature
+    authentic = sampler.policy_follower._authentic
+    sampler.policy_follower._authentic = lambda a, offset: authentic(a, offset) or ignored.add(offset)
     valid = msgpack.unpackb(announcer.encode({"version": ("newer", 1), "file": "sound-a", "path": "name",
                                               "sha256": "right", "num_bytes": "right"}), raw=False)
     specs = draw(ANNOUNCEMENTS, MESSAGES * 6 // 10, lambda spec: None)
     hostile = hostile_messages([valid], "policy", MESSAGES - len(specs), _decodes_or_refuses(PolicyAnnouncement))
     refused_versions: list[int] = []
     real_refused = sampler.policy_follower.refused
-    sampler.policy_follower.refused = lambda version: (refused_versions.append(version), real_refused(version))
+    sampler.policy_follower.refused = lambda version, **how: (refused_versions.append(version),
+                                                              real_refused(version, **how))
     topic, producer = sampler.config.topics.policy, make_producer(kafka_bootstrap)
     # In the order drawn (versions mostly rise, as a trainer's do), with the garbage spread evenly among them.
     spread = [(i / len(specs), announcer.encode(spec)) for i, spec in enumerate(specs)]
@@ -207,13 +228,14 @@ def test_every_hostile_announcement_is_refused_loaded_or_passed_over_and_only_so
                             if record.name == "sao.transport.announcements"
                             and (match := re.search(r"at offset (\d+)", record.getMessage()))}
         for offset, value in enumerate(batch, start):
-            if offset in follower_refused:
+            if offset in follower_refused or offset in ignored:
                 continue
             version = decode(value, PolicyAnnouncement).policy_version  # the follower let it through: it decodes
             assert version <= loaded or version in refused_versions, (offset, version, loaded)
         caplog.clear()
 
     assert sampler.counters["reloads"] >= 10 and len(refused_versions) >= 500, sampler.counters
+    assert len(ignored) >= MESSAGES // 10  # unsigned, signed with another key, or altered after signing
     refused_kinds = {announcer.kind_of[version] for version in refused_versions if version in announcer.kind_of}
     assert {"sound-a", "sound-b", "nan", "inf"} <= refused_kinds  # files were read, and the NaN ones refused
     # It still follows the trainer: the next honest version loads (one above the newest plausible one read).
@@ -266,8 +288,10 @@ def test_every_hostile_task_starts_an_episode_or_is_dead_lettered_and_rollouts_t
     assert len(started) + dead_lettered == MESSAGES
     letters = [describe_dlq_message(m) for m in read_all(kafka_bootstrap, config.topics.dlq, timeout=60)]
     assert len(letters) == dead_lettered and all(letter["reason"] and letter["detail"] for letter in letters)
-    assert {"decode-error", "schema-version", "wrong-kind", "invalid-field", "env-error", "env-timeout"} <= {
-        letter["reason"] for letter in letters}
+    # Options asking for too much are refused by the env before it builds anything (issue 27), no longer at its
+    # time limit; a task of another env before its rollout.
+    assert {"decode-error", "schema-version", "wrong-kind", "invalid-field", "env-error", "invalid-task",
+            "wrong-env"} <= {letter["reason"] for letter in letters}
     assert len(started) > 1000
 
     bottleneck = sampler.roller.bottleneck  # the shipped basis: memory travels 64 wide, as the trainer expects

@@ -1,9 +1,9 @@
 """Property-based fuzz of `sao.trajectories` (issue 12, item 5): 10,000 hostile messages through the
 trainer's real intake, on the real broker, then the accepted ones through the real training step.
 
-Every message is accepted, dead-lettered with a reason, or dropped as a duplicate (nothing raises,
-nothing vanishes); whatever is accepted trains to a finite loss and gradient norm, and the weights
-stay finite.
+Every message is accepted, dead-lettered with a reason (its bytes, its tokens, its memory spans, ...), or
+dropped as a duplicate (nothing raises, nothing vanishes); whatever is accepted trains to a finite loss
+and gradient norm, and the weights stay finite.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from sao.schema import Memory, SchemaError, Trajectory, decode, encode
+from sao.schema import Memory, SchemaError, Trajectory, decode, encode, pack_array
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards
 from sao.trainer.training_step import train_step
@@ -40,15 +40,23 @@ def _bases() -> list[dict]:
     bases = []
     for index in range(3):
         trajectory = synthetic_trajectory(index, np.random.default_rng(index))
-        if index == 1:
+        if index == 1:  # two steps, each slot standing for one of them (spans in order, within the steps)
             memory = Memory(np.ones((2, SHIPPED_BASIS.width), np.int8), np.full(2, 0.01, np.float32),
-                            np.zeros((2, 2), np.int32), np.zeros(2, np.float32))
+                            np.array([[0, 0], [1, 1]], np.int32), np.zeros(2, np.float32))
+            steps = (trajectory.steps * 2)[:2]
             trajectory = replace(trajectory, memory=memory,
-                                 steps=[replace(s, memory_count=min(k + 1, 2)) for k, s in enumerate(trajectory.steps)])
+                                 steps=[replace(s, memory_count=min(k + 1, 2)) for k, s in enumerate(steps)])
         trajectory = replace(trajectory, recent_window=1, behaviour_version=POLICY_VERSION - 5 * index,
                              trajectory_id="base#0", task_id="base")
         bases.append(msgpack.unpackb(encode(trajectory), raw=False))
     return bases
+
+
+def _long_prompts() -> list[dict]:
+    """Issue 27: more tokens than trainer.max_trajectory_tokens, yet under the byte bound (random draws rarely
+    give that); the shorter ones are valid."""
+    return [{**base, "prompt_ids": pack_array(np.full(length, 5), np.int32)}
+            for base in _bases() for length in (8, 20, 60, 120, 400, 900)]
 
 
 def _stamped(messages: list, start: int) -> list[bytes]:
@@ -79,6 +87,9 @@ def intake(kafka_bootstrap, tiny_config):
     config = on_own_topics(tiny_config, kafka_bootstrap, "fuzz-traj", partitions=2)
     # Small, so that long arrays meet the size check; the arrays drawn stay far below what a model can score.
     config.trainer.max_trajectory_bytes, config.trainer.freshness_decay = 4096, 0.9
+    # Small too, so that longer token arrays within the byte bound meet the token bound (issue 27): a valid base's
+    # rows hold under 70 tokens in all.
+    config.trainer.max_trajectory_tokens = 96
     policy = build_policy(config.policy, SHIPPED_BASIS.width)  # memory as a default trainer reads it
     validator = TrajectoryValidator.for_model(policy, SHIPPED_BASIS.width, config, SHIPPED_BASIS.identity)
     stream = TrajectoryStream(kafka_bootstrap, config.topics.trajectories,
@@ -105,7 +116,9 @@ def _refused_or_usable(validator: TrajectoryValidator):
 def test_every_hostile_trajectory_is_accepted_or_dead_lettered_and_what_is_accepted_trains_finite(
         intake, kafka_bootstrap):
     config, policy, validator, stream = intake
-    drawn = hostile_messages(_bases(), "trajectory", MESSAGES, _refused_or_usable(validator))
+    long_prompts = _long_prompts()
+    drawn = hostile_messages(_bases(), "trajectory", MESSAGES - len(long_prompts), _refused_or_usable(validator))
+    drawn = [message for pair in zip(drawn, long_prompts) for message in pair] + drawn[len(long_prompts):]
     producer = make_producer(kafka_bootstrap)
     produced, accepted = [], []
     for start in range(0, len(drawn), PER_ROUND_TRIP):
@@ -130,7 +143,9 @@ def test_every_hostile_trajectory_is_accepted_or_dead_lettered_and_what_is_accep
     reasons = {letter["reason"] for letter in letters}
     # The fuzz reached every gate: the envelope, the schema, the size, validation against the model, staleness.
     assert {"decode-error", "schema-version", "wrong-kind", "invalid-field", "too-large", "invalid-token",
-            "out-of-range", "non-finite", "future-version", "too-stale"} <= reasons, reasons
+            "out-of-range", "non-finite", "future-version", "too-stale", "invalid-memory"} <= reasons, reasons
+    assert any("trainer.max_trajectory_tokens" in letter["detail"] for letter in letters)  # tokens, not bytes
+    assert any("memory.spans" in letter["detail"] for letter in letters)
     assert counters.consumed > 1000, counters
 
     _train_on(_extremes_and_a_spread(accepted), policy, config.trainer)

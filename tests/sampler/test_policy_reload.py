@@ -19,7 +19,8 @@ from sao.policy.weights import WeightsMismatch, read_weights_into, unique_state_
 from sao.run_dir import RunDir
 from sao.sampler.loop import Sampler
 from sao.schema import PolicyAnnouncement, encode
-from sao.transport.announcements import PolicyFollower
+from sao.transport import announcements
+from sao.transport.announcements import PolicyFollower, ensure_announce_key, read_announce_key, sign
 from sao.transport.kafka import deliver_and_wait, make_producer
 from sao.transport.topics import ensure_topics
 
@@ -46,6 +47,7 @@ class Reload:
         self.sampler, self.bootstrap, self.topic, self.policy_dir = sampler, bootstrap, topic, policy_dir
         self.producer = make_producer(bootstrap)
         self.sent = 0
+        self.key: bytes | None = None  # set: announcements are signed with it (and the follower checks them)
 
     def weights(self, version: int, state: dict | None = None, path: Path | None = None) -> Path:
         """Write a file (by default the valid one for `version`, its projector bias set to version / 10)."""
@@ -66,7 +68,8 @@ class Reload:
             sha256 = hashlib.sha256(Path(weights_path).read_bytes()).hexdigest()
         if num_bytes is None:
             num_bytes = os.stat(weights_path).st_size
-        self.send(encode(PolicyAnnouncement(version, str(weights_path), sha256, num_bytes, version)))
+        announcement = PolicyAnnouncement(version, str(weights_path), sha256, num_bytes, version)
+        self.send(encode(sign(announcement, self.key) if self.key else announcement))
 
     def send(self, value: bytes) -> None:
         deliver_and_wait(self.producer, self.topic, value, key="policy")
@@ -311,3 +314,89 @@ def test_sao_sampler_without_a_policy_folder_refuses_to_start():
     result = CliRunner().invoke(app, ["sampler", "--bootstrap-servers", "127.0.0.1:1", "--metrics-port", "0"])
     assert result.exit_code == 2
     assert "no policy folder" in result.output
+
+
+# --- issue 27: announcements are signed, and version order cannot be starved ------------------------
+
+@pytest.fixture
+def signed(reload) -> Reload:
+    """`reload` as a real sampler reads: the trainer's key beside the weights, only signed announcements read."""
+    sampler = reload.sampler
+    reload.key = ensure_announce_key(reload.policy_dir)
+    sampler.policy_follower.close()
+    sampler.policy_follower = PolicyFollower(reload.bootstrap, reload.topic, sampler.config.sampler.max_version_jump,
+                                             key=lambda: read_announce_key(sampler.policy_dir))
+    sampler.missing_refused, sampler.behind = set(), False
+    return reload
+
+
+def _ignored(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sao_transport_announcements_refused_total", {"reason": reason}) or 0.0
+
+
+def test_the_trainer_makes_one_private_key_per_run(tmp_path):
+    policy_dir = tmp_path / "run" / "policy"
+    key = ensure_announce_key(policy_dir)
+    assert ensure_announce_key(policy_dir) == key == read_announce_key(policy_dir)  # made once, then read
+    assert (policy_dir / ".announce-key").stat().st_mode & 0o777 == 0o600
+    assert RunDir(policy_dir.parent).kept_versions() == []  # not mistaken for a weights file
+    assert ensure_announce_key(tmp_path / "other" / "policy") != key
+
+
+def test_unsigned_and_mis_signed_announcements_are_ignored_and_counted(signed, caplog):
+    before = {reason: _ignored(reason) for reason in ("unsigned", "bad-signature")}
+    key = signed.key
+    signed.key = None
+    signed.announce(1, signed.weights(1))  # a valid file, announced without a signature
+    signed.key = b"0" * 64
+    signed.announce(2, signed.weights(2))  # signed with another key
+    signed.key = key
+    assert signed.settle() == 0 and signed.sampler.policy_follower.newest_read is None
+    assert {reason: _ignored(reason) - before[reason] for reason in before} == {"unsigned": 1, "bad-signature": 1}
+    assert "ignoring policy announcement v1" in caplog.text and "bad-signature" in caplog.text
+    signed.announce(3, signed.weights(3))
+    assert signed.settle() == 3 and signed.loaded_bias() == 0.3
+
+
+def test_future_versions_announced_without_files_cannot_hide_the_real_ones(signed, caplog):
+    """Issue 27's livelock: 20 announcements of future versions whose files did not exist (right names, zero
+    sha256) were refused as missing and their versions never offered again, so the real ones published later were
+    ignored for good and the trainer dead-lettered everything after as too-stale."""
+    signed.announce(1, signed.weights(1))
+    assert signed.settle() == 1
+    for version in range(2, 22):
+        signed.announce(version, signed.path_of(version), sha256="0" * 64, num_bytes=1000)
+    assert signed.settle() == 1
+    for version in range(2, 13):  # the trainer publishes the real v2..v12
+        signed.announce(version, signed.weights(version))
+    assert signed.settle() == 12 and signed.loaded_bias() == 1.2
+    missing = [line for line in _refusals(caplog) if "(missing)" in line]
+    assert len(missing) == len(set(missing))  # each missing version said once, however often it is retried
+
+
+def test_a_version_whose_file_was_missing_loads_once_the_file_is_there(signed, monkeypatch):
+    monkeypatch.setattr(announcements, "MISSING_RETRY_S", 0.0)
+    path = signed.weights(1)
+    sha, size = hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size
+    hidden = path.rename(path.with_name("not-yet"))
+    signed.announce(1, signed.path_of(1), sha256=sha, num_bytes=size)  # a shared mount that lags behind
+    assert signed.settle() == 0
+    hidden.rename(path)
+    assert signed.settle() == 1 and signed.loaded_bias() == 0.1
+
+
+def test_a_sampler_far_behind_the_newest_announced_version_says_so(signed, caplog):
+    from prometheus_client import REGISTRY
+
+    limit = signed.sampler.config.trainer.max_staleness
+    for version in range(1, limit + 3):
+        signed.announce(version, signed.path_of(version), sha256="0" * 64, num_bytes=1000)  # none loadable
+    assert signed.settle() == 0
+    behind = [r for r in caplog.records if r.levelno == logging.ERROR and "versions behind" in r.getMessage()]
+    assert len(behind) == 1 and "trainer.max_staleness" in behind[0].getMessage()
+    assert REGISTRY.get_sample_value("sao_sampler_versions_behind", {"sampler": "s-trust"}) == limit + 2
+    signed.announce(limit + 3, signed.weights(limit + 3))
+    assert signed.settle() == limit + 3
+    assert REGISTRY.get_sample_value("sao_sampler_versions_behind", {"sampler": "s-trust"}) == 0

@@ -51,6 +51,7 @@ class _Announcements:
     def __init__(self):
         self.latest = None
         self.refused_versions = set()
+        self.newest_read = None  # the sampler compares its version with it (how far behind it is)
 
     def poll(self):
         if self.latest is None or self.latest.policy_version in self.refused_versions:
@@ -60,7 +61,7 @@ class _Announcements:
     def loaded(self, version):
         pass
 
-    def refused(self, version):
+    def refused(self, version, missing=False):
         self.refused_versions.add(version)
 
     def close(self):

@@ -15,7 +15,7 @@ from sao.policy.weights import unique_state_dict, write_weights
 from sao.run_dir import RunDir
 from sao.sampler.loop import Sampler
 from sao.schema import PolicyAnnouncement, Trajectory, decode
-from sao.transport.announcements import announce
+from sao.transport.announcements import announce, ensure_announce_key, sign
 from sao.transport.dlq import describe_dlq_message
 from sao.transport.kafka import make_producer, read_all
 from sao.transport.topics import ensure_topics
@@ -45,7 +45,8 @@ def _announce_once_held(sampler: Sampler, bootstrap: str, version: int, run_dir)
     write_weights(state, path)
     announcement = PolicyAnnouncement(version, str(path), hashlib.sha256(path.read_bytes()).hexdigest(),
                                       os.stat(path).st_size, version)
-    announce(make_producer(bootstrap), sampler.config.topics.policy, announcement)
+    key = ensure_announce_key(RunDir(run_dir).policy_dir)  # as the trainer does: the sampler reads only signed ones
+    announce(make_producer(bootstrap), sampler.config.topics.policy, sign(announcement, key))
 
 
 def test_a_task_that_arrives_before_its_version_waits_for_it(kafka_bootstrap, unique_topic_prefix, tiny_config,

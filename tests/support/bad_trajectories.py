@@ -24,6 +24,12 @@ def _with_memory(trajectory: Trajectory, width: int, scale: float) -> Trajectory
     return replace(trajectory, memory=memory, steps=[replace(s, memory_count=1) for s in trajectory.steps])
 
 
+def _with_span(trajectory: Trajectory, first: int, last: int) -> Trajectory:
+    """One memory slot standing for steps first..last (issue 27: such spans were trained on)."""
+    with_slot = _with_memory(trajectory, WIDTH, 0.01)
+    return replace(with_slot, memory=replace(with_slot.memory, spans=np.array([[first, last]], np.int32)))
+
+
 def _first_step(trajectory: Trajectory, **changes) -> Trajectory:
     return replace(trajectory, steps=[replace(trajectory.steps[0], **changes), *trajectory.steps[1:]])
 
@@ -67,6 +73,11 @@ CORRUPTIONS = {
     # Each env name and turn index would get a running baseline the trainer keeps for the whole run.
     "another run's env": (lambda t: replace(t, env="textworld"), "wrong-env", "env"),
     "more steps than env.max_turns": (lambda t: replace(t, steps=list(t.steps) * 5), "out-of-range", "steps"),
+    # Issue 27: within the byte bound, yet a row no model position can hold (scoring it took minutes).
+    "a million tokens": (lambda t: _first_step(t, observation_ids=np.resize(t.steps[0].observation_ids, 1 << 20)),
+                         "too-large", "steps[0]"),
+    "memory span 0..7 on a short trajectory": (lambda t: _with_span(t, 0, 7), "invalid-memory", "memory.spans[0]"),
+    "memory span -4..-2": (lambda t: _with_span(t, -4, -2), "invalid-memory", "memory.spans[0]"),
 }
 
 

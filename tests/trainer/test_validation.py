@@ -41,7 +41,8 @@ VOCAB = 49152  # the tiny model's (SmolLM2's tokenizer)
 @pytest.fixture(scope="module")
 def validator() -> TrajectoryValidator:
     return TrajectoryValidator(vocab_size=VOCAB, memory_dim=SHIPPED_BASIS.width, max_abs_reward=1e4,
-                               max_bytes=16 << 20, max_turns=4, env="arithmetic", memory_basis=SHIPPED_BASIS.identity)
+                               max_bytes=16 << 20, max_turns=4, env="arithmetic", memory_basis=SHIPPED_BASIS.identity,
+                               max_tokens=65536, max_positions=1024)  # the tiny model's positions
 
 
 def valid(index: int = 0) -> Trajectory:
@@ -143,6 +144,40 @@ def test_an_empty_memory_passes_whatever_its_width_or_basis(validator):
         validator.validate(over_the_wire(replace(valid(), memory=Memory.empty(width), memory_basis=basis)), 0)
 
 
+def test_tokens_are_bounded_per_row_and_in_all(validator):
+    """Issue 27: a byte bound is not a token bound. Rows count the prompt, the memory slots a step sees and the
+    recent steps it sees in full, as scoring builds them."""
+    four = replace(_four_steps(), recent_window=2)
+    row = len(four.prompt_ids) + len(four.steps[0].observation_ids) + len(four.steps[0].action_ids)
+    pair = row - len(four.prompt_ids)
+    rows = [row + pair * min(i, 2) for i in range(4)]  # each sees up to two earlier steps in full
+    exact = replace(validator, max_tokens=sum(rows), max_positions=max(rows))
+    exact.validate(over_the_wire(four), policy_version=0)
+    with pytest.raises(SchemaError, match="steps\\[2\\]") as refused:  # the first of the longest rows
+        replace(exact, max_positions=max(rows) - 1).validate(over_the_wire(four), policy_version=0)
+    assert refused.value.reason == "too-large"
+    with pytest.raises(SchemaError, match=r"trainer\.max_trajectory_tokens") as refused:
+        replace(exact, max_tokens=sum(rows) - 1).validate(over_the_wire(four), policy_version=0)
+    assert (refused.value.reason, refused.value.field) == ("too-large", "steps")
+
+
+@pytest.mark.parametrize("spans", [[[0, 0], [0, 1]], [[1, 0]], [[0, 1], [3, 3]]])
+def test_memory_spans_must_be_ordered_and_within_the_steps(validator, spans):
+    from sao.schema import Memory
+
+    four = _four_steps()
+    slots = len(spans)
+    memory = Memory(np.ones((slots, SHIPPED_BASIS.width), np.int8), np.full(slots, 0.01, np.float32),
+                    np.array(spans, np.int32), np.zeros(slots, np.float32))
+    trajectory = replace(four, memory=memory, steps=[*four.steps[:3], replace(four.steps[3], memory_count=slots)])
+    if spans == [[0, 1], [3, 3]]:  # the last step's own index is in range: only spans past it are refused
+        validator.validate(over_the_wire(trajectory), policy_version=0)
+        trajectory = replace(trajectory, steps=trajectory.steps[:3])
+    with pytest.raises(SchemaError) as refused:
+        validator.validate(over_the_wire(trajectory), policy_version=0)
+    assert refused.value.reason == "invalid-memory" and refused.value.field.startswith("memory.spans[")
+
+
 def test_size_is_checked_before_decoding(validator):
     validator.check_size(16 << 20)
     with pytest.raises(SchemaError) as refused:
@@ -157,6 +192,7 @@ def test_limits_come_from_the_model_the_trainer_built(tiny_config):
     assert (validator.vocab_size, validator.memory_dim) == (VOCAB, 384)
     assert validator.max_abs_reward == tiny_config.trainer.max_abs_reward
     assert validator.max_bytes == tiny_config.trainer.max_trajectory_bytes
+    assert (validator.max_tokens, validator.max_positions) == (tiny_config.trainer.max_trajectory_tokens, 1024)
 
 
 # --- fuzz: whatever passes validation can be scored --------------------------------------------

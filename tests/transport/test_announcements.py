@@ -1,11 +1,21 @@
 """The policy topic through the real broker: implausible versions are refused, so that one bad
 announcement neither shadows every later version nor overflows a resumed trainer's counter."""
 
+import time
+from dataclasses import replace
+
 import torch
 from prometheus_client import REGISTRY
 
 from sao.schema import PolicyAnnouncement, encode
-from sao.transport.announcements import MAX_POLICY_VERSION, PolicyFollower, announce, latest_announced_version
+from sao.transport import announcements
+from sao.transport.announcements import (
+    MAX_POLICY_VERSION,
+    PolicyFollower,
+    announce,
+    latest_announced_version,
+    sign,
+)
 from sao.transport.kafka import deliver_and_wait, make_producer
 from sao.transport.topics import ensure_topics
 
@@ -115,3 +125,43 @@ def test_the_first_version_read_is_the_base_of_the_jump_rule(kafka_bootstrap, un
     _topic_holding(kafka_bootstrap, topic, 5000, 5001, 5001 + 1001, HUGE)
     assert latest_announced_version(kafka_bootstrap, topic) == 5001
     assert latest_announced_version(kafka_bootstrap, f"{unique_topic_prefix}.empty") == 0
+
+
+def test_a_refused_version_announced_anew_is_offered_and_a_missing_one_again_later(
+        kafka_bootstrap, unique_topic_prefix, monkeypatch):
+    """Issue 27: refusing a version number for good let announcements of future versions without files shadow the
+    real ones published later under those numbers."""
+    topic = f"{unique_topic_prefix}.policy"
+    _topic_holding(kafka_bootstrap, topic, 1, 2)
+    follower = _drained(PolicyFollower(kafka_bootstrap, topic), 2)
+    try:
+        follower.refused(2)  # a bad file: this announcement is never offered again
+        assert follower.latest.policy_version == 1
+        real = PolicyAnnouncement(2, _announcement(2).weights_path, "cd" * 32, 10, 2)
+        deliver_and_wait(make_producer(kafka_bootstrap), topic, encode(real), key="policy")
+        assert _drained(follower, 3).latest == real  # another announcement of v2: a new candidate
+        monkeypatch.setattr(announcements, "MISSING_RETRY_S", 0.2)
+        follower.refused(2, missing=True)
+        assert follower.latest.policy_version == 1
+        time.sleep(0.3)
+        assert follower.latest == real  # its file may be there now
+    finally:
+        follower.close()
+
+
+def test_a_follower_with_a_key_reads_only_announcements_signed_with_it(kafka_bootstrap, unique_topic_prefix):
+    topic, key = f"{unique_topic_prefix}.policy", b"k" * 64
+    _topic_holding(kafka_bootstrap, topic, encode(sign(_announcement(1), key)), encode(_announcement(5)),
+                   encode(sign(_announcement(6), b"x" * 64)),
+                   encode(replace(sign(_announcement(7), key), num_bytes=11)),  # altered after signing
+                   encode(replace(_announcement(8), signature="é" * 64)))  # not even hex
+    follower = _drained(PolicyFollower(kafka_bootstrap, topic, key=lambda: key), 5)
+    try:
+        assert follower.latest.policy_version == 1 and follower.newest_read == 1 and follower.ignored == 4
+    finally:
+        follower.close()
+    without_key = _drained(PolicyFollower(kafka_bootstrap, topic, key=lambda: None), 5)
+    try:  # no key to check with (the trainer has not made one yet): nothing is read
+        assert without_key.latest is None and without_key.ignored == 5
+    finally:
+        without_key.close()
