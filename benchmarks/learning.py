@@ -59,6 +59,14 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
             **{key: summary.get(key) for key in KEYS}}
 
 
+def _attempt(seed: int, runs_dir: Path, extra: list[str]) -> dict:
+    """`run_seed`, or {"seed", "failed"} when the run failed (the other seeds go on)."""
+    try:
+        return run_seed(seed, runs_dir, extra)
+    except SystemExit as failure:
+        return {"seed": seed, "failed": str(failure)[-500:]}
+
+
 def over_seeds(results: list[dict]) -> dict:
     """Mean held-out gain over seeds, with its error across seeds and over tasks; the same for second tries."""
     gains = [r["heldout_gain"] for r in results]
@@ -102,7 +110,13 @@ def main() -> None:
     from rich.table import Table
 
     with ThreadPoolExecutor(max_workers=args.contended) as pool:
-        results = list(pool.map(lambda seed: run_seed(seed, args.runs_dir, args.extra), args.seeds))
+        outcomes = list(pool.map(lambda seed: _attempt(seed, args.runs_dir, args.extra), args.seeds))
+    failed = [outcome for outcome in outcomes if "failed" in outcome]
+    results = [outcome for outcome in outcomes if "failed" not in outcome]
+    for outcome in failed:  # a run that died is a result too: said, never dropped silently
+        print(f"seed {outcome['seed']} FAILED: {outcome['failed']}", file=sys.stderr)
+    if not results:
+        raise SystemExit("every seed failed")
     table = Table(title="default run: greedy first-try success on held-out tasks, base model vs final version")
     for column in ("seed", "n", "base", "final", "gain ± s.e.", "second try: base -> final (n)",
                    "no new answer: base -> final", "kept v: gain ± s.e.", "drops/rollbacks", "KL end",
@@ -149,7 +163,7 @@ def main() -> None:
                          "unit": "fraction of tasks", "value": final, "baseline": total["base"],
                          # A base model that solves nothing (a tiny test model) has no ratio: null, not NaN.
                          "ratio": final / total["base"] if total["base"] else None},
-            **total, "runs": results}, indent=2))
+            **total, "runs": results, "failed": failed}, indent=2))
 
 
 if __name__ == "__main__":

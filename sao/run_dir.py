@@ -13,7 +13,8 @@ RUN_DIR/
   trained.jsonl          the ledger: which trajectories each optimizer step trained on
   eval/vNNNNNN.json      `sao eval` results (eval/heldout.json: base vs final and kept versions, paired)
   shadow/                shadow validation: request.json (the version to score next), vNNNNNN.json (its
-                         scores), board.json (every score, the best version, drops and rollbacks)
+                         scores), board.json (every score, the best version, drops and rollbacks),
+                         snapshots/ (the optimizer state of the versions a rollback may return to)
 ```
 """
 
@@ -53,6 +54,7 @@ class RunDir:
     shadow_dir = _at("shadow")
     shadow_request = _at("shadow", "request.json")  # trainer -> scorer: the one version to score next
     shadow_board = _at("shadow", "board.json")  # trainer: every score, the best version, drops, rollbacks
+    shadow_snapshots = _at("shadow", "snapshots")  # rankN/vNNNNNN.safetensors: optimizer state a rollback restores
     best_weights = _at("policy", "best")  # a link to the best version's weights file (none while v0 is best)
 
     def recorded_cluster_id(self) -> str | None:

@@ -45,12 +45,11 @@ from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
 from sao.trainer.publisher import PolicyPublisher
 from sao.trainer.run_cluster import bind_run_to_cluster
-from sao.trainer.shadow import Drop, ShadowBoard, ShadowScorerProcess, link_best
-from sao.trainer.snapshots import OptimizerSnapshots
+from sao.trainer.shadow_validation import ShadowValidation
 from sao.trainer.training_step import StepOutcome, train_step
 from sao.trainer.trajectory_stream import TrajectoryStream
 from sao.trainer.validation import TrajectoryValidator
-from sao.transport.announcements import latest_announced_version
+from sao.transport.announcements import latest_announced_version, read_announce_key
 from sao.transport.dlq import DeadLetteredTasks, DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
 from sao.transport.kafka import RenewingProducer
@@ -65,10 +64,10 @@ class Trainer:
         resolved = config.trainer.model_copy(update={"turn_credit": turn_credit(config)})
         self.config = config = config.model_copy(update={"trainer": resolved})
         self.run_dir = RunDir(run_dir)
-        # The shadow scorer loads its model while this process builds the engine: its first score
-        # must not wait for both one after the other (RANK: torch.distributed is not up yet).
-        self.shadow = self._shadow_scorer() if config.trainer.shadow_every and os.environ.get("RANK", "0") == "0" \
-            else None
+        # Shadow validation (sao/trainer/shadow_validation.py). Its scorer loads its model while this process
+        # builds the engine, not after (RANK: torch.distributed is not up yet).
+        self.shadow = self._start_shadow_validation(os.environ.get("RANK", "0") == "0", resume) \
+            if config.trainer.shadow_every else None
         # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
@@ -91,7 +90,8 @@ class Trainer:
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
         clock = self._started("engine", clock)
         # The policy topic is read to its end (a quiet second) while the checkpoint loads.
-        announced = _in_background(latest_announced_version, bootstrap, config.topics.policy) \
+        announced = _in_background(latest_announced_version, bootstrap, config.topics.policy,
+                                   config.sampler.max_version_jump, read_announce_key(self.run_dir.policy_dir)) \
             if resuming and rank() == 0 else None
         restored = load_checkpoint(self.engine, self.run_dir.checkpoints, verified) if resume else None
         clock = self._started("checkpoint", clock)
@@ -129,11 +129,8 @@ class Trainer:
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
         self.run_started: float | None = None  # perf_counter at the start of `run`
         self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
-        # Shadow validation (sao/trainer/shadow.py): the scorer process and its board live on rank 0;
-        # every rank keeps its own optimizer snapshots of the versions a rollback may return to.
-        self.board = ShadowBoard(config.trainer.shadow_margin)
-        self.snapshots = OptimizerSnapshots()
-        self.offered_version: int | None = None  # the last version handed to the scorer
+        if self.shadow is not None:
+            self.publisher.pinned = self.shadow.pinned
         self.stopping = False
         self.finished = False
         signal.signal(signal.SIGTERM, self._stop)
@@ -175,7 +172,8 @@ class Trainer:
         checkpointed_at = self.state.step
         self.run_started = time.perf_counter()
         try:
-            self._start_shadow()
+            if self.shadow is not None:
+                self.shadow.offer(self.engine, self.state.policy_version)  # the base model, or where a resume starts
             while True:
                 waited = time.perf_counter()
                 entries = self._collect(expected_trajectories)  # rank 0 only; empty means stop
@@ -204,7 +202,8 @@ class Trainer:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
             elif self._handled_since_checkpoint():
                 self._record_dead_letters()
-            self._finish_shadow()
+            if self.shadow is not None:
+                self.shadow.finish(self.state.policy_version)
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
             self.finished = self.is_leader and self._all_handled(expected_trajectories) and len(self.buffer) == 0
@@ -366,137 +365,30 @@ class Trainer:
         if self.is_leader:
             metrics.record_policy_published(self.state.policy_version)
         log.info("published policy v%d in %.1f s", self.state.policy_version, self.phase_s["publish"])
-        if offer_to_shadow:
-            self._offer_to_shadow(self.state.policy_version)
+        if offer_to_shadow and self.shadow is not None:
+            self.shadow.offer(self.engine, self.state.policy_version)
 
-    # --- shadow validation (sao/trainer/shadow.py) -------------------------------------------
+    # --- shadow validation (sao/trainer/shadow_validation.py) --------------------------------
 
-    def _from_leader(self, values: list[int]) -> list[int]:
-        """Rank 0's integers, on every rank (its decisions about the shadow are every rank's)."""
-        if world_size() == 1:
-            return values
-        agreed = torch.tensor(values, dtype=torch.long, device=self.engine.device)
-        dist.broadcast(agreed, src=0)
-        return agreed.tolist()
-
-    def _shadow_scorer(self) -> ShadowScorerProcess:
-        self.run_dir.root.mkdir(parents=True, exist_ok=True)
-        self.run_dir.trainer_config.write_text(to_toml(self.config))
-        return ShadowScorerProcess(self.run_dir, self.run_dir.trainer_config)
-
-    def _start_shadow(self) -> None:
-        if self.config.trainer.shadow_every:
-            self._offer_to_shadow(self.state.policy_version)  # the base model, or where a resume starts
-
-    def _offer_to_shadow(self, version: int) -> None:
-        """Hand `version` to the scorer if it is idle and shadow_every versions have passed since the last one;
-        then snapshot the optimizer at it, so a rollback can return here."""
-        every = self.config.trainer.shadow_every
-        if not every:
-            return
-        due = self.offered_version is None or version - self.offered_version >= every
-        [offer] = self._from_leader([int(self.is_leader and due and self.shadow.idle)])
-        if not offer:
-            return
-        started = time.perf_counter()
-        self.snapshots.take(self.engine, version)
-        self.board.snapshot_s += time.perf_counter() - started
-        self.offered_version = version
-        if self.is_leader:
-            self.shadow.request(version)
-            self._pin_kept_versions()
+    def _start_shadow_validation(self, is_leader: bool, resume: bool) -> ShadowValidation:
+        if is_leader:
+            self.run_dir.root.mkdir(parents=True, exist_ok=True)
+            self.run_dir.trainer_config.write_text(to_toml(self.config))
+        return ShadowValidation.start(self.config.trainer, self.run_dir, self.run_dir.trainer_config, is_leader,
+                                      resume)
 
     def _follow_shadow(self) -> None:
-        """Read a new score; on a drop below the best, alert and (trainer.rollback) return to the best version."""
-        if not self.config.trainer.shadow_every:
+        """A version that fell below the best is rolled back to the best before the next step."""
+        back_to = self.shadow.verdict(self.engine) if self.shadow is not None else None
+        if back_to is None:
             return
-        back_to, best, pending = -1, -1, -1
-        if self.is_leader:
-            score = self.shadow.poll()
-            self.board.scorer_cpu_s = self.shadow.cpu_s
-            if score is not None:
-                drop = self.board.add(score)
-                metrics.record_shadow_score(score.version, score.mean, self.board.best)
-                log.info("shadow: v%d first-try success %.3f ± %.3f (n %d); best v%d", score.version, score.mean,
-                         score.stderr or 0.0, score.n, self.board.best)
-                if drop is not None:
-                    back_to = self._alert(drop)
-                self._write_board()
-            best = -1 if self.board.best is None else self.board.best
-            pending = -1 if self.shadow.pending is None else self.shadow.pending
-        back_to, best, pending = self._from_leader([back_to, best, pending])
-        self.snapshots.keep_only({best, pending} - {-1})
-        if back_to >= 0:
-            self._roll_back(back_to)
 
-    def _alert(self, drop: Drop) -> int:
-        """Rank 0: log and count a drop; the version to roll back to, or -1."""
-        restorable = drop.best in self.snapshots
-        rolls_back = self.config.trainer.rollback and restorable
-        log.warning("ALERT shadow validation: v%d scored %.3f below the best, v%d (%.1f standard errors of the paired "
-                    "difference; margin %.1f); %s", drop.version, -drop.gap, drop.best,
-                    -drop.gap / drop.stderr if drop.stderr else float("inf"), self.config.trainer.shadow_margin,
-                    "rolling back to it" if rolls_back else
-                    "trainer.rollback is off" if not self.config.trainer.rollback else
-                    "not restorable in this life (no snapshot): training goes on")
-        metrics.record_shadow_drop()
-        return drop.best if rolls_back else -1
+        def publish() -> int:
+            self._publish(offer_to_shadow=False)
+            return self.state.policy_version
 
-    def _roll_back(self, version: int) -> None:
-        """Every rank: the best version's weights and optimizer state, published again as a new version."""
-        dropped_at = self.state.policy_version
-        self.snapshots.restore(self.engine, version)
-        self._publish(offer_to_shadow=False)
-        self.snapshots.relabel(version, self.state.policy_version)
-        if self.is_leader:
-            self.board.alias(self.state.policy_version, version)
-            event = {"step": self.state.step, "from_version": dropped_at, "to_version": version,
-                     "published_as": self.state.policy_version}
-            self.board.rollbacks.append(event)
-            self._ledger({"rollback": event})
-            metrics.record_rollback()
-            self._write_board()
-            log.warning("rolled back from v%d to v%d's weights and optimizer state, published as v%d", dropped_at,
-                        version, self.state.policy_version)
-
-    def _finish_shadow(self) -> None:
-        """Rank 0, after the last step: score the final version too, so the kept best is chosen among all."""
-        if self.shadow is None:
-            return
-        wait_s = 600.0
-        if self.shadow.pending is not None:  # asked for before the last step
-            self._add_final_score(self.shadow.wait(wait_s), final=False)
-        final = self.state.policy_version
-        if final not in self.board.scores and self.shadow.pending is None:
-            self.shadow.request(final)
-            self._pin_kept_versions()
-            self._add_final_score(self.shadow.wait(wait_s))
-        self._write_board()
-        self.shadow.stop()
-
-    def _add_final_score(self, score, final: bool = True) -> None:
-        """A score read after the last step: a drop can no longer be rolled back, only not kept."""
-        self.board.scorer_cpu_s = self.shadow.cpu_s
-        if score is None:
-            return
-        drop = self.board.add(score)
-        metrics.record_shadow_score(score.version, score.mean, self.board.best)
-        if drop is not None:
-            log.warning("ALERT shadow validation: %s v%d scored %.3f below the best, v%d; the run keeps v%d "
-                        "(RUN_DIR/policy/best)", "the final version" if final else "version", drop.version,
-                        -drop.gap, drop.best, drop.best)
-            metrics.record_shadow_drop()
-
-    def _pin_kept_versions(self) -> None:
-        """The best and the pending version's files outlive trainer.keep_versions: the scorer and users read them."""
-        self.publisher.pinned = {v for v in (self.board.best, self.shadow.pending) if v}
-
-    def _write_board(self) -> None:
-        self._pin_kept_versions()
-        partial = self.run_dir.shadow_board.with_suffix(".tmp")
-        partial.write_text(json.dumps(self.board.to_json(), indent=1))
-        partial.replace(self.run_dir.shadow_board)
-        link_best(self.run_dir, self.board.best)
+        event = self.shadow.roll_back(self.engine, back_to, publish, self.state.step, self.state.policy_version)
+        self._ledger({"rollback": event})
 
     def _safe_offsets(self) -> dict[int, int]:
         return self.stream.safe_offsets(self.buffer.low_water_marks())
@@ -570,7 +462,7 @@ class Trainer:
                 "task_dlq_reasons": self.dead_tasks.reasons(self.stream.seen_ids) if counters else {},
                 "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
                 "skipped_steps": self.skipped_steps,
-                "shadow": self.board.to_json() if self.is_leader and self.config.trainer.shadow_every else None,
+                "shadow": self.shadow.status() if self.shadow is not None else None,
                 "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
                 **process_usage(), "idle_s": self.idle_s,

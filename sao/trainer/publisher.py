@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,8 @@ class PolicyPublisher:
         self.topic = topic
         self.run_dir = run_dir
         self.keep_versions = keep_versions
-        self.pinned: set[int] = set()  # versions kept beyond keep_versions (shadow validation's best and pending)
+        # Versions kept beyond keep_versions (shadow validation's best and the one it is scoring).
+        self.pinned: Callable[[], set[int]] = set
         # Samplers read only announcements signed with the run's key, kept beside the weights (made once per run).
         self.key = ensure_announce_key(run_dir.policy_dir)
 
@@ -50,6 +52,6 @@ class PolicyPublisher:
 
     def _prune(self, newest: int) -> None:
         for old in self.run_dir.kept_versions():
-            if old <= newest - self.keep_versions and old not in self.pinned:
+            if old <= newest - self.keep_versions and old not in self.pinned():
                 self.run_dir.weights(old).unlink(missing_ok=True)
                 self.run_dir.weights_sidecar(old).unlink(missing_ok=True)

@@ -106,6 +106,33 @@ class ShadowBoard:
                 "drops": [asdict(drop) for drop in self.drops], "rollbacks": self.rollbacks}
 
 
+def earlier_board(run_dir: RunDir, margin: float) -> ShadowBoard:
+    """The board of the run's earlier lives, rebuilt from the scores they left (for a resumed trainer).
+
+    Each score file holds its per-task successes, so later versions are compared with the earlier
+    best exactly as within one life; versions a rollback republished keep their `same_as`.
+    """
+    board = ShadowBoard(margin)
+    for path in sorted(run_dir.shadow_dir.glob("v*.json")):
+        try:
+            result = json.loads(path.read_text())
+            board.add(ShadowScore(int(result["version"]), {t: float(v) for t, v in result["successes"].items()},
+                                  float(result.get("seconds", 0.0))))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a version that could not be scored (its result names the error) or a foreign file
+    try:
+        earlier = json.loads(run_dir.shadow_board.read_text())
+    except (OSError, ValueError):
+        return board
+    aliases = {int(v): figures["same_as"] for v, figures in (earlier.get("scores") or {}).items()
+               if isinstance(figures, dict) and figures.get("same_as") is not None}
+    for version, same_as in sorted(aliases.items()):
+        if same_as in board.scores:
+            board.alias(version, same_as)
+    board.rollbacks = list(earlier.get("rollbacks") or [])
+    return board
+
+
 class ShadowScorerProcess:
     """Rank 0: starts `sao shadow`, hands it one version at a time, and reads back its scores."""
 
@@ -115,6 +142,7 @@ class ShadowScorerProcess:
         run_dir.shadow_request.unlink(missing_ok=True)
         self.pending: int | None = None  # the version asked for and not yet scored
         self.cpu_s = 0.0  # the scorer's CPU seconds, as of its latest result
+        self.failed: str | None = None  # why the scorer is gone: nothing more is asked of it, training goes on
         log_path = run_dir.log("shadow")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Niced: it takes the CPU the samplers and the trainer leave, never theirs.
@@ -124,7 +152,7 @@ class ShadowScorerProcess:
 
     @property
     def idle(self) -> bool:
-        return self.pending is None
+        return self.pending is None and self.failed is None
 
     def request(self, version: int) -> None:
         partial = self.run_dir.shadow_request.with_suffix(".tmp")
@@ -134,13 +162,14 @@ class ShadowScorerProcess:
 
     def poll(self) -> ShadowScore | None:
         """The pending version's score once written (a version the scorer could not load scores as nothing)."""
-        if self.pending is None:
+        if self.pending is None or self.failed is not None:
             return None
         path = self.run_dir.shadow_result(self.pending)
         if not path.is_file():
             if self.process.poll() is not None:
-                raise RuntimeError(f"the shadow scorer exited with code {self.process.returncode}; see "
-                                   f"{self.run_dir.log('shadow')}")
+                self.failed = (f"the shadow scorer exited with code {self.process.returncode} (see "
+                               f"{self.run_dir.log('shadow')}); no more versions are scored")
+                log.error("%s", self.failed)
             return None
         result = json.loads(path.read_text())
         self.pending = None
@@ -152,13 +181,20 @@ class ShadowScorerProcess:
                            result["seconds"])
 
     def wait(self, timeout_s: float) -> ShadowScore | None:
-        """Block until the pending version is scored (at the end of training, when nothing else runs)."""
+        """Block until the pending version is scored (at the end of training, when nothing else runs).
+
+        None when it could not be: the scorer failed or exited, or `timeout_s` passed. The run then
+        ends without that score, which the board shows; training's outcome is not at stake.
+        """
         deadline = time.monotonic() + timeout_s
-        while self.pending is not None and time.monotonic() < deadline:
+        while self.pending is not None and self.failed is None and time.monotonic() < deadline:
             score = self.poll()
             if score is not None or self.pending is None:
                 return score
             time.sleep(0.2)
+        if self.pending is not None and self.failed is None:
+            log.warning("the shadow scorer did not score v%d within %.0f s: the last score is missing", self.pending,
+                        timeout_s)
         return None
 
     def stop(self) -> None:

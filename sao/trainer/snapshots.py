@@ -1,55 +1,87 @@
-"""In-memory snapshots of the ZeRO-3 optimizer (master weights + AdamW state) per policy version.
+"""Snapshots of the ZeRO-3 optimizer (master weights + AdamW state) per policy version, on disk.
 
-A rollback (sao/trainer/shadow.py) returns training to a published version exactly: the fp32
-master partitions and the AdamW moments as they were when that version was published. The
-moments matter: restarted from zero, Adam's first steps move every weight by about the learning
-rate whatever the gradient's noise, a jolt of the kind a rollback exists to undo. Each rank
-snapshots its own partition, so this is as collective as the step itself.
+A rollback (sao/trainer/shadow_validation.py) returns training to a published version exactly:
+the fp32 master partitions and the AdamW moments as they were when that version was published.
+The moments matter: restarted from zero, Adam's first steps move every weight by about the
+learning rate whatever the gradient's noise, a jolt of the kind a rollback exists to undo.
+Each rank snapshots its own partition, so this is as collective as the step itself.
+
+The tensors go to a safetensors file per version (three times the model's size in fp32: held in
+memory, two or three of them would double the trainer's footprint); the rest of the state dict
+(a few scalars and the loss scaler object) stays in memory. The files are this process's own.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+
+_TENSOR = "__tensor__"  # marks where a tensor stood in the state dict's skeleton
 
 
-def _cloned(value: Any) -> Any:
-    """A deep copy in which every tensor is detached and cloned (the state dict aliases live tensors)."""
+def _split(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    """The state dict with every tensor moved into `tensors` (under its path) and a marker left behind."""
     if torch.is_tensor(value):
-        return value.detach().clone()
+        tensors[path] = value.detach().contiguous().cpu()
+        return (_TENSOR, path)
     if isinstance(value, dict):
-        return {key: _cloned(item) for key, item in value.items()}
+        return {key: _split(item, tensors, f"{path}/{key}") for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(item) for item in value)
+        return type(value)(_split(item, tensors, f"{path}/{index}") for index, item in enumerate(value))
     return value
 
 
-class OptimizerSnapshots:
-    """version -> this rank's optimizer state at that version; at most the versions asked to be kept."""
+def _join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, tuple) and len(skeleton) == 2 and skeleton[0] == _TENSOR:
+        return tensors[skeleton[1]]
+    if isinstance(skeleton, dict):
+        return {key: _join(item, tensors) for key, item in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_join(item, tensors) for item in skeleton)
+    return skeleton
 
-    def __init__(self) -> None:
-        self._by_version: dict[int, dict] = {}
+
+class OptimizerSnapshots:
+    """version -> this rank's optimizer state at that version, in `folder`; at most the versions asked to be kept."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._skeletons: dict[int, Any] = {}
 
     def __contains__(self, version: int) -> bool:
-        return version in self._by_version
+        return version in self._skeletons
 
     def versions(self) -> list[int]:
-        return sorted(self._by_version)
+        return sorted(self._skeletons)
+
+    def _file(self, version: int) -> Path:
+        return self.folder / f"v{version:06d}.safetensors"
 
     def take(self, engine, version: int) -> None:
-        self._by_version[version] = _cloned(engine.optimizer.state_dict())
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = _split(engine.optimizer.state_dict(), tensors, "")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self._file(version).with_suffix(".tmp")
+        save_file(tensors, str(partial))  # a copy: later steps do not change what was written
+        partial.replace(self._file(version))
+        self._skeletons[version] = skeleton
 
     def restore(self, engine, version: int) -> None:
         """Master weights, module weights and AdamW state back to `version` (every rank calls it)."""
+        state = _join(self._skeletons[version], load_file(str(self._file(version))))
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         # DeepSpeed reads the entry of this rank's index: each rank passes its own snapshot there.
-        engine.optimizer.load_state_dict([_cloned(self._by_version[version])] * world, load_optimizer_states=True)
+        engine.optimizer.load_state_dict([state] * world, load_optimizer_states=True)
 
     def relabel(self, version: int, as_version: int) -> None:
         """The snapshot of `version` now stands for `as_version` (a rollback republished its weights)."""
-        self._by_version[as_version] = self._by_version.pop(version)
+        self._file(version).replace(self._file(as_version))
+        self._skeletons[as_version] = self._skeletons.pop(version)
 
     def keep_only(self, versions: set[int]) -> None:
-        for version in set(self._by_version) - versions:
-            del self._by_version[version]
+        for version in set(self._skeletons) - versions:
+            del self._skeletons[version]
+            self._file(version).unlink(missing_ok=True)

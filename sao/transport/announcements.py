@@ -232,12 +232,14 @@ def _claim(announcement: PolicyAnnouncement) -> tuple:
     return announcement.policy_version, announcement.weights_path, announcement.sha256, announcement.num_bytes
 
 
-def latest_announced_version(bootstrap: str, topic: str, max_version_jump: int = DEFAULT_MAX_VERSION_JUMP) -> int:
+def latest_announced_version(bootstrap: str, topic: str, max_version_jump: int = DEFAULT_MAX_VERSION_JUMP,
+                             key: bytes | None = None) -> int:
     """The highest plausible version ever announced on `topic` (0 if none); reads the whole (tiny) topic.
 
-    Never above MAX_POLICY_VERSION, so a resumed trainer can count on from it without overflow.
+    Never above MAX_POLICY_VERSION, so a resumed trainer can count on from it without overflow. With
+    `key`, only announcements signed with it count: a forged one cannot push the count up.
     """
-    follower = PolicyFollower(bootstrap, topic, max_version_jump)
+    follower = PolicyFollower(bootstrap, topic, max_version_jump, key=None if key is None else lambda: key)
     try:
         deadline = time.monotonic() + 10.0
         quiet_since = time.monotonic()

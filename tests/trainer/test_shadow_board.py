@@ -50,3 +50,27 @@ def test_a_rollback_alias_takes_the_best_score_and_becomes_the_best():
     summary = board.to_json()
     assert summary["best"]["version"] == 3 and summary["best"]["same_as"] == 0
     assert summary["scores"]["2"]["success"] == 0.0
+
+
+def test_a_resumed_trainer_rebuilds_the_board_from_the_earlier_lives_scores(tmp_path):
+    import json
+
+    from sao.run_dir import RunDir
+    from sao.trainer.shadow import earlier_board
+
+    run_dir = RunDir(tmp_path)
+    run_dir.shadow_dir.mkdir()
+    for version, successes in ((0, [1, 1, 1, 1, 0, 0]), (2, [0, 0, 0, 0, 0, 0])):
+        run_dir.shadow_result(version).write_text(json.dumps(
+            {"version": version, "successes": {f"t{i}": s for i, s in enumerate(successes)}, "seconds": 1.0}))
+    run_dir.shadow_result(4).write_text(json.dumps({"version": 4, "error": "its file was pruned"}))
+    rollback = {"step": 3, "from_version": 2, "to_version": 0, "published_as": 3}
+    run_dir.shadow_board.write_text(json.dumps({"scores": {"3": {"same_as": 0}}, "rollbacks": [rollback]}))
+
+    board = earlier_board(run_dir, margin=2.0)
+    assert sorted(board.scores) == [0, 2, 3]  # v4 could not be scored: not a score of 0
+    assert board.best == 3 and board.scores[3].same_as == 0  # the rollback's republished best
+    assert board.rollbacks == [rollback]
+    assert len(board.drops) == 1  # v2 fell below v0 then, and still does
+    # A later version is judged against the earlier lives' best, paired on the same tasks.
+    assert board.add(score(5, [0, 0, 0, 0, 0, 0])) is not None

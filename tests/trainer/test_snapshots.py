@@ -45,7 +45,8 @@ def step(batch):
 def max_difference(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
-snapshots = OptimizerSnapshots()
+import sys, pathlib
+snapshots = OptimizerSnapshots(pathlib.Path(sys.argv[1]))
 step(batches[0])
 snapshots.take(engine, 1)
 at_v1 = gather_full_state(engine)
@@ -57,15 +58,18 @@ snapshots.restore(engine, 1)
 restored = max_difference(gather_full_state(engine), at_v1)
 step(batches[1])
 replayed = max_difference(gather_full_state(engine), after_v1)
+snapshots.relabel(1, 5)
+relabelled = snapshots.versions()
 snapshots.keep_only(set())
-print(json.dumps({"moved": moved, "restored": restored, "replayed": replayed, "kept": snapshots.versions()}))
+print(json.dumps({"moved": moved, "restored": restored, "replayed": replayed, "relabelled": relabelled,
+                  "kept": snapshots.versions(), "files": sorted(p.name for p in pathlib.Path(sys.argv[1]).iterdir())}))
 shutdown()
 """
 
 
 @pytest.mark.slow
-def test_restoring_a_snapshot_returns_weights_and_optimizer_state_to_that_version():
-    result = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, timeout=600,
+def test_restoring_a_snapshot_returns_weights_and_optimizer_state_to_that_version(tmp_path):
+    result = subprocess.run([sys.executable, "-c", STEPS, str(tmp_path)], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONPATH": str(TESTS)})
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
@@ -74,4 +78,5 @@ def test_restoring_a_snapshot_returns_weights_and_optimizer_state_to_that_versio
     # The step after the restore equals the step first taken from v1 on the same batch: with AdamW's
     # moments reset instead, the update would differ.
     assert found["replayed"] < 1e-6
-    assert found["kept"] == []
+    assert found["relabelled"] == [5]
+    assert found["kept"] == [] and found["files"] == []  # a dropped snapshot leaves no file behind

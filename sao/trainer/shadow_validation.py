@@ -1,0 +1,172 @@
+"""Shadow validation in the training loop: hand versions to the scorer, follow its verdicts, roll back.
+
+Rank 0 owns the scorer process and the board (sao/trainer/shadow.py); every rank keeps its own
+optimizer snapshots (sao/trainer/snapshots.py) and does what rank 0 decides, agreed through a
+broadcast, so the ZeRO-3 partitions of every rank move together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from sao import metrics
+from sao.config import TrainerConfig
+from sao.run_dir import RunDir
+from sao.trainer.shadow import Drop, ShadowBoard, ShadowScore, ShadowScorerProcess, earlier_board, link_best
+from sao.trainer.snapshots import OptimizerSnapshots
+
+log = logging.getLogger(__name__)
+
+FINAL_SCORE_WAIT_S = 600.0  # after the last step nothing else runs: the scorer has the machine
+
+
+def _from_leader(values: list[int], device: torch.device) -> list[int]:
+    """Rank 0's integers, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    agreed = torch.tensor(values, dtype=torch.long, device=device)
+    dist.broadcast(agreed, src=0)
+    return agreed.tolist()
+
+
+class ShadowValidation:
+    """Every rank builds one; only rank 0's has a scorer (`scorer` None elsewhere)."""
+
+    def __init__(self, config: TrainerConfig, run_dir: RunDir, scorer: ShadowScorerProcess | None,
+                 board: ShadowBoard | None = None):
+        self.config, self.run_dir, self.scorer = config, run_dir, scorer
+        self.board = board or ShadowBoard(config.shadow_margin)
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        self.snapshots = OptimizerSnapshots(run_dir.shadow_snapshots / f"rank{rank}")
+        self.offered: int | None = None  # the last version handed to the scorer
+
+    @classmethod
+    def start(cls, config: TrainerConfig, run_dir: RunDir, config_path, is_leader: bool,
+              resume: bool = False) -> ShadowValidation:
+        """Rank 0 starts the scorer now, so it loads its model while the trainer builds its engine. A resumed
+        trainer goes on with the earlier lives' scores (their versions have no snapshot: no rollback to them)."""
+        if not is_leader:
+            return cls(config, run_dir, None)
+        board = earlier_board(run_dir, config.shadow_margin) if resume else None
+        return cls(config, run_dir, ShadowScorerProcess(run_dir, config_path), board)
+
+    def pinned(self) -> set[int]:
+        """Versions whose files must outlive trainer.keep_versions: the best one and the one being scored."""
+        if self.scorer is None:
+            return set()
+        return {v for v in (self.board.best, self.scorer.pending) if v}
+
+    def offer(self, engine, version: int) -> None:
+        """Hand `version` to the scorer if it is idle and shadow_every versions have passed since the last one;
+        then snapshot the optimizer at it, so a rollback can return here."""
+        due = self.offered is None or version - self.offered >= self.config.shadow_every
+        [offer] = _from_leader([int(self.scorer is not None and due and self.scorer.idle)], engine.device)
+        if not offer:
+            return
+        started = time.perf_counter()
+        self.snapshots.take(engine, version)
+        self.board.snapshot_s += time.perf_counter() - started
+        self.offered = version
+        if self.scorer is not None:
+            self.scorer.request(version)
+
+    def verdict(self, engine) -> int | None:
+        """Read a new score; the version to roll back to (agreed by every rank) after a drop, else None."""
+        back_to, best, pending = -1, -1, -1
+        if self.scorer is not None:
+            score = self.scorer.poll()
+            if score is not None:
+                drop = self._add(score)
+                if drop is not None:
+                    back_to = self._alert(drop)
+                self.write()
+            best = -1 if self.board.best is None else self.board.best
+            pending = -1 if self.scorer.pending is None else self.scorer.pending
+        back_to, best, pending = _from_leader([back_to, best, pending], engine.device)
+        self.snapshots.keep_only({best, pending} - {-1})
+        return back_to if back_to >= 0 else None
+
+    def roll_back(self, engine, version: int, publish: Callable[[], int], step: int, dropped_at: int) -> dict:
+        """Every rank: restore `version` and publish its weights again (`publish` returns the new version);
+        `dropped_at` is the version training had reached."""
+        self.snapshots.restore(engine, version)
+        published_as = publish()
+        self.snapshots.relabel(version, published_as)
+        event = {"step": step, "from_version": dropped_at, "to_version": version, "published_as": published_as}
+        if self.scorer is not None:
+            self.board.alias(published_as, version)
+            self.board.rollbacks.append(event)
+            metrics.record_rollback()
+            self.write()
+            log.warning("rolled back from v%d to v%d's weights and optimizer state, published as v%d", dropped_at,
+                        version, published_as)
+        return event
+
+    def finish(self, final_version: int) -> None:
+        """Rank 0, after the last step: score the final version too, so the kept best is chosen among all."""
+        if self.scorer is None:
+            return
+        if self.scorer.pending is not None:  # asked for before the last step
+            self._add_late(self.scorer.wait(FINAL_SCORE_WAIT_S), final=False)
+        if final_version not in self.board.scores and self.scorer.idle:
+            self.scorer.request(final_version)
+            self._add_late(self.scorer.wait(FINAL_SCORE_WAIT_S), final=True)
+        self.write()
+        self.scorer.stop()
+
+    def stop(self) -> None:
+        """At the trainer's exit: the snapshots die with its process (a resume cannot use them), so do their files."""
+        self.snapshots.keep_only(set())
+        if self.scorer is not None:
+            self.scorer.stop()
+
+    def status(self) -> dict | None:
+        if self.scorer is None:
+            return None
+        return {**self.board.to_json(), "scorer_failed": self.scorer.failed}
+
+    def write(self) -> None:
+        """board.json (written whole, then renamed) and the RUN_DIR/policy/best link."""
+        partial = self.run_dir.shadow_board.with_suffix(".tmp")
+        partial.write_text(json.dumps(self.status(), indent=1))
+        partial.replace(self.run_dir.shadow_board)
+        link_best(self.run_dir, self.board.best)
+
+    def _add(self, score: ShadowScore) -> Drop | None:
+        self.board.scorer_cpu_s = self.scorer.cpu_s
+        drop = self.board.add(score)
+        metrics.record_shadow_score(score.version, score.mean, self.board.best)
+        log.info("shadow: v%d first-try success %.3f ± %.3f (n %d); best v%d", score.version, score.mean,
+                 score.stderr or 0.0, score.n, self.board.best)
+        return drop
+
+    def _alert(self, drop: Drop) -> int:
+        """Log and count a drop; the version to roll back to, or -1."""
+        restorable = drop.best in self.snapshots
+        rolls_back = self.config.rollback and restorable
+        log.warning("ALERT shadow validation: v%d scored %.3f below the best, v%d (%.1f standard errors of the paired "
+                    "difference; margin %.1f); %s", drop.version, -drop.gap, drop.best,
+                    -drop.gap / drop.stderr if drop.stderr else float("inf"), self.config.shadow_margin,
+                    "rolling back to it" if rolls_back else
+                    "trainer.rollback is off" if not self.config.rollback else
+                    "not restorable in this life (no snapshot): training goes on")
+        metrics.record_shadow_drop()
+        return drop.best if rolls_back else -1
+
+    def _add_late(self, score: ShadowScore | None, final: bool) -> None:
+        """A score read after the last step: a drop can no longer be rolled back, only not kept."""
+        if score is None:
+            return
+        drop = self._add(score)
+        if drop is not None:
+            log.warning("ALERT shadow validation: %s v%d scored %.3f below the best, v%d; the run keeps v%d "
+                        "(RUN_DIR/policy/best)", "the final version" if final else "version", drop.version,
+                        -drop.gap, drop.best, drop.best)
+            metrics.record_shadow_drop()

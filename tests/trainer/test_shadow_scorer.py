@@ -1,0 +1,46 @@
+"""The shadow scorer process as the trainer drives it: it scores what it is asked (the base model
+first), and a scorer that dies costs the run its scores, never its training."""
+
+import time
+
+import pytest
+
+from sao.config import load_config, to_toml
+from sao.run_dir import RunDir
+from sao.trainer.shadow import ShadowScorerProcess
+
+
+@pytest.fixture
+def scorer(tmp_path):
+    config = load_config(overrides=['policy.model="tiny"', "policy.max_new_tokens=4", "run.heldout_cap=2",
+                                    "trainer.shadow_tasks=3", f'run.heldout_cache_dir="{tmp_path / "cache"}"'],
+                         environ={})
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    (tmp_path / "config.toml").write_text(to_toml(config))
+    process = ShadowScorerProcess(run_dir, tmp_path / "config.toml")
+    yield process
+    process.stop()
+
+
+@pytest.mark.slow
+def test_it_scores_the_base_model_on_its_own_validation_tasks(scorer):
+    scorer.request(0)
+    assert not scorer.idle
+    score = scorer.wait(300)
+    assert score is not None and score.version == 0 and scorer.idle
+    assert score.n == 3  # trainer.shadow_tasks distinct tasks after the final comparison's 2
+    assert all(task.startswith("eval/") for task in score.successes)
+    assert scorer.cpu_s > 0
+
+
+@pytest.mark.slow
+def test_a_dead_scorer_is_reported_and_never_waited_for(scorer):
+    scorer.process.kill()
+    scorer.process.wait()
+    scorer.request(0)
+    started = time.monotonic()
+    assert scorer.wait(300) is None
+    assert time.monotonic() - started < 5  # noticed at once, not after the timeout
+    assert scorer.failed is not None and "exited" in scorer.failed
+    assert not scorer.idle  # nothing more is handed to it
