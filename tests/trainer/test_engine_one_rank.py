@@ -1,37 +1,15 @@
 """With one rank, ZeRO-3's gradient reduce-scatter is skipped (sao/trainer/engine.py) and the step is
 still exactly a plain PyTorch step: same rows, same loss, AdamW, clipping; two steps, the losses agree.
-
-Run in a fresh interpreter: DeepSpeed's process group must not live in pytest's.
 """
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]  # for `support`
+from support.engine_scripts import TINY_ENGINE, run_script
 
-STEPS = """
-import json
-import numpy as np
-import torch
+STEPS = TINY_ENGINE + """
 import deepspeed.comm
-from sao.config import load_config
-from sao.policy.weights import build_policy
-from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, rank_loss
-from sao.trainer.engine import batch_layout, build_engine, shutdown
-from sao.trainer.training_step import train_step
-from support.trainer_runs import synthetic_trajectory
 
-torch.manual_seed(0)
-torch.set_num_threads(1)
-config = load_config(overrides=['policy.model="tiny"', "trainer.learning_rate=1e-3", "trainer.fused_adamw=false"],
-                     environ={})
-cfg = config.trainer
 collectives = []  # every reduce-scatter that reached torch.distributed
 original = deepspeed.comm.reduce_scatter_fn
 deepspeed.comm.reduce_scatter_fn = lambda *a, **k: (collectives.append(1), original(*a, **k))[1]
@@ -70,10 +48,7 @@ shutdown()
 
 @pytest.mark.slow
 def test_one_rank_step_skips_the_reduce_scatter_and_matches_a_plain_pytorch_step():
-    result = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PYTHONPATH": str(TESTS)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_script(STEPS)
     assert found["collectives"] == 0  # nothing to exchange with one rank, and nothing was
     sao, bare = found["losses"]["sao"], found["losses"]["bare"]
     assert sao[0] == pytest.approx(bare[0], abs=1e-6)  # the same weights and rows: the same loss

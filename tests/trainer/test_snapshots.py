@@ -1,38 +1,17 @@
 """A rollback returns ZeRO-3 training to a published version exactly: restore a snapshot taken at
 version v after two more steps, and the weights equal v's, and the next step from there equals the
 step first taken from v (same batch): the AdamW moments came back too, not only the weights.
-
-Run in a fresh interpreter: DeepSpeed's process group must not live in pytest's.
 """
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]  # for `support`
+from support.engine_scripts import TINY_ENGINE, run_script
 
-STEPS = """
-import json
-import numpy as np
-import torch
-from sao.config import load_config
-from sao.policy.weights import build_policy
-from sao.trainer.baselines import RewardBaseline
+STEPS = TINY_ENGINE + """
 from sao.trainer.batch import plan_batch
-from sao.trainer.engine import batch_layout, build_engine, gather_full_state, shutdown
+from sao.trainer.engine import gather_full_state
 from sao.trainer.snapshots import OptimizerSnapshots
-from sao.trainer.training_step import train_step
-from support.trainer_runs import synthetic_trajectory
 
-torch.manual_seed(0)
-torch.set_num_threads(1)
-config = load_config(overrides=['policy.model="tiny"', "trainer.learning_rate=1e-3", "trainer.fused_adamw=false"],
-                     environ={})
-cfg = config.trainer
 engine = build_engine(build_policy(config.policy, 384), cfg)
 rng = np.random.default_rng(0)
 batches = [[synthetic_trajectory(8 * b + i, rng) for i in range(cfg.batch_size)] for b in range(3)]
@@ -69,10 +48,7 @@ shutdown()
 
 @pytest.mark.slow
 def test_restoring_a_snapshot_returns_weights_and_optimizer_state_to_that_version(tmp_path):
-    result = subprocess.run([sys.executable, "-c", STEPS, str(tmp_path)], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PYTHONPATH": str(TESTS)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_script(STEPS, str(tmp_path))
     assert found["moved"] > 1e-4  # two more steps changed the weights: a restore has something to undo
     assert found["restored"] == 0.0  # the weights are v1's, bit for bit
     # The step after the restore equals the step first taken from v1 on the same batch: with AdamW's
