@@ -4,7 +4,7 @@
 RUN_DIR/
   config.toml            the effective config of `sao run` (trainer-config.toml: the trainer's, for evals)
   summary.json report.md plots/
-  logs/<process>.log     broker, trainer, sampler-N, eval-vNNNNNN
+  logs/<process>.log     broker, trainer, sampler-N, shadow
   status/<process>.json  progress files (sao/status.py): trainer, trainer-rankN, sampler-N
   policy/policy-vNNNNNN.safetensors (+ .json sidecar with its sha256): the last kept versions
   policy/.announce-key   the key announcements are signed with (the trainer makes it, samplers read it)
@@ -81,9 +81,6 @@ class RunDir:
     def kept_versions(self) -> list[int]:
         """Versions whose weights are still on disk, oldest first."""
         return sorted(int(p.stem[len(_WEIGHTS_PREFIX):]) for p in self.policy_dir.glob(f"{_WEIGHTS_PREFIX}*.safetensors"))
-
-    def eval_log(self, version: int) -> Path:
-        return self.log(f"eval-v{version:06d}")
 
     def eval_result(self, version: int) -> Path:
         return self.root / "eval" / f"v{version:06d}.json"

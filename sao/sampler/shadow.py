@@ -20,6 +20,7 @@ from pathlib import Path
 from sao.config import SaoConfig
 from sao.run_dir import RunDir
 from sao.sampler.evaluation import Scorer, base_model_scores, validation_tasks
+from sao.status import write_status
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,4 @@ def _score(scorer: Scorer, version: int, tasks) -> dict:
 
 
 def _write(run_dir: RunDir, version: int, result: dict) -> None:
-    path = run_dir.shadow_result(version)
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(result))
-    partial.replace(path)  # the trainer never reads half a result
+    write_status(run_dir.shadow_result(version), result)  # written whole: the trainer never reads half a result

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sao.run_dir import RunDir
 from sao.stats import paired_gain, stderr
+from sao.status import write_status
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +156,7 @@ class ShadowScorerProcess:
         return self.pending is None and self.failed is None
 
     def request(self, version: int) -> None:
-        partial = self.run_dir.shadow_request.with_suffix(".tmp")
-        partial.write_text(json.dumps({"version": version}))
-        partial.replace(self.run_dir.shadow_request)  # the scorer never reads half a request
+        write_status(self.run_dir.shadow_request, {"version": version})  # written whole: never half a request
         self.pending = version
 
     def poll(self) -> ShadowScore | None:

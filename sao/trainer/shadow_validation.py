@@ -7,7 +7,6 @@ broadcast, so the ZeRO-3 partitions of every rank move together.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from sao import metrics
 from sao.config import TrainerConfig
 from sao.run_dir import RunDir
+from sao.status import write_status
 from sao.trainer.shadow import Drop, ShadowBoard, ShadowScore, ShadowScorerProcess, earlier_board, link_best
 from sao.trainer.snapshots import OptimizerSnapshots
 
@@ -134,9 +134,7 @@ class ShadowValidation:
 
     def write(self) -> None:
         """board.json (written whole, then renamed) and the RUN_DIR/policy/best link."""
-        partial = self.run_dir.shadow_board.with_suffix(".tmp")
-        partial.write_text(json.dumps(self.status(), indent=1))
-        partial.replace(self.run_dir.shadow_board)
+        write_status(self.run_dir.shadow_board, self.status())
         link_best(self.run_dir, self.board.best)
 
     def _add(self, score: ShadowScore) -> Drop | None:
