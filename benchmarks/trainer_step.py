@@ -88,13 +88,13 @@ class BareEngine:
         """
         import torch
 
-        from sao.trainer.batch import rank_loss
+        from sao.trainer.batch import all_rows, rank_loss
 
         self.optimizer.param_groups[0]["fused"] = fused or None
         self.optimizer.param_groups[0]["foreach"] = None
         started = time.perf_counter()
         count = len(plan.trajectories)
-        loss, _ = rank_loss(self, plan, list(range(count)), count, cfg, MEMORY_DIM)
+        loss, _ = rank_loss(self, plan, all_rows(plan, list(range(count))), count, cfg, MEMORY_DIM)
         loss.backward()
         middle = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)

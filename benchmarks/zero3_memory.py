@@ -57,7 +57,7 @@ def worker(model: str, offload: bool, steps: int, out: Path) -> None:
     from sao.policy.weights import build_policy
     from sao.schema import Memory, Step, Trajectory
     from sao.trainer.baselines import RewardBaseline
-    from sao.trainer.batch import plan_batch, rank_loss
+    from sao.trainer.batch import all_rows, plan_batch, rank_loss
     from sao.trainer.distributed import rank, world_size
     from sao.trainer.engine import build_engine, memory_per_rank, shutdown
 
@@ -74,7 +74,7 @@ def worker(model: str, offload: bool, steps: int, out: Path) -> None:
     step_s, losses = [], []
     for _ in range(steps):
         started = time.perf_counter()
-        loss, _ = rank_loss(engine, plan, list(range(4))[rank()::world_size()], 4 / world_size(), config.trainer, 384)
+        loss, _ = rank_loss(engine, plan, all_rows(plan, list(range(4))[rank()::world_size()]), 4 / world_size(), config.trainer, 384)
         engine.backward(loss)
         engine.step()
         step_s.append(time.perf_counter() - started)

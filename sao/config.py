@@ -287,8 +287,9 @@ class TrainerConfig(Section):
                              "training never waits for; a version is skipped while the scorer is busy. The best scored "
                              "version is kept (RUN_DIR/policy/best). 0 = off.")
     shadow_tasks: int = Field(
-        48, ge=1, description="Distinct validation tasks each shadow score uses: the held-out tasks that follow the "
-                              "run.heldout_cap the final comparison uses.")
+        48, ge=1, description="Distinct validation tasks each shadow score uses at most: the held-out tasks that "
+                              "follow the run.heldout_cap the final comparison uses. An eval split too small for "
+                              "both is shared: validation takes at most its last half.")
     shadow_margin: float = Field(
         2.0, gt=0, description="A scored version whose success is below the best's by more than this many standard "
                                "errors of their paired difference has dropped: an alert, and with rollback a restore.")
@@ -298,6 +299,11 @@ class TrainerConfig(Section):
     fused_adamw: bool = Field(
         True, description="torch AdamW's fused kernel: one pass over the weights per step instead of several, "
                           "for the same update (measured: benchmarks/README.md).")
+    micro_batch_tokens: int = Field(
+        4096, ge=64, description="Positions (rows x the longest row, padding included) one forward and backward pass "
+                                 "computes at most: a step's rows are packed into as many passes as this needs, so it "
+                                 "bounds the trainer's peak memory whatever the batch holds. A row longer than this "
+                                 "(a whole trajectory with importance_level = 'sequence') is dead-lettered (too-large).")
     length_buckets: int = Field(
         2, ge=1, description="At most this many forward passes per micro-batch: rows (steps) are sorted by length and "
                              "split where that cuts the right-padding most (same loss and gradient, fewer positions "
@@ -375,8 +381,8 @@ class RunConfig(Section):
                           "held-out tasks (the env's eval split, never trained on); their paired first-try gain "
                           "leads summary.json. false: skip it (tests, quick runs).")
     heldout_cap: int = Field(80, ge=1, description="Distinct held-out tasks the final comparison scores at most: the "
-                                                   "first ones of the env's eval split. trainer.shadow_tasks follow "
-                                                   "them (the default arithmetic domain holds 129).")
+                                                   "first ones of the env's eval split, none of those shadow "
+                                                   "validation uses (trainer.shadow_tasks).")
     heldout_batch: int = Field(64, ge=1, description="Held-out episodes run side by side (one batched forward per "
                                                      "token) during that evaluation.")
     heldout_cache_dir: str | None = Field(

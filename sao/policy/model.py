@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from sao.policy.context import StepInput
 from sao.policy.sampling import StopRule, nucleus
@@ -31,7 +32,6 @@ class ScoringBatch:
     memory_mask: torch.Tensor  # bool [B, L]
     attention_mask: torch.Tensor  # long [B, L]
     action_mask: torch.Tensor  # bool [B, L]: position holds an action token to score
-    first_action_position: int  # smallest action position in the batch (bounds the logits we need)
     temperatures: torch.Tensor  # float [B]: each row is scored under its sampling temperature
 
     def to(self, device: torch.device | str) -> ScoringBatch:
@@ -48,7 +48,6 @@ def collate_steps(inputs: list[StepInput], memory_dim: int, temperatures: list[f
     memory_mask = torch.zeros(rows, width, dtype=torch.bool)
     attention_mask = torch.zeros(rows, width, dtype=torch.long)
     action_mask = torch.zeros(rows, width, dtype=torch.bool)
-    first_action = width
     for row, x in enumerate(inputs):
         p, m, c = len(x.prompt_ids), len(x.memory), len(x.context_ids)
         token_ids[row, :p] = torch.from_numpy(np.asarray(x.prompt_ids, dtype=np.int64))
@@ -60,9 +59,33 @@ def collate_steps(inputs: list[StepInput], memory_dim: int, temperatures: list[f
         token_ids[row, start:lengths[row]] = torch.from_numpy(np.asarray(x.action_ids, dtype=np.int64))
         attention_mask[row, :lengths[row]] = 1
         action_mask[row, start:lengths[row]] = True
-        first_action = min(first_action, start)
     temps = torch.tensor(temperatures if temperatures is not None else [1.0] * rows, dtype=torch.float32)
-    return ScoringBatch(token_ids, memory_vectors, memory_mask, attention_mask, action_mask, first_action, temps)
+    return ScoringBatch(token_ids, memory_vectors, memory_mask, attention_mask, action_mask, temps)
+
+
+LOGPROB_CHUNK = 1024  # action tokens whose logits over the vocabulary exist at once
+
+
+def _token_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperatures: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float() / temperatures[:, None]
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def action_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperatures: torch.Tensor) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[target] for each of N tokens ([N, H] -> [N]).
+
+    Over LOGPROB_CHUNK tokens the logits are made a chunk at a time and remade in the backward
+    pass (activation checkpointing), so a pass never holds more than one chunk's logits over the
+    vocabulary, however many tokens it scores.
+    """
+    if len(targets) <= LOGPROB_CHUNK:
+        return _token_logprobs(head, hidden, targets, temperatures)
+    return torch.cat([checkpoint(_token_logprobs, head, hidden[start:start + LOGPROB_CHUNK],
+                                 targets[start:start + LOGPROB_CHUNK], temperatures[start:start + LOGPROB_CHUNK],
+                                 use_reentrant=False)
+                      for start in range(0, len(targets), LOGPROB_CHUNK)])
 
 
 class MemoryPolicy(nn.Module):
@@ -93,24 +116,20 @@ class MemoryPolicy(nn.Module):
         each row's last context position, the state the first action token was sampled in.
         """
         embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
-        width = batch.token_ids.shape[1]
-        # Only positions from the first action on are scored: the logits of the prompt are never
-        # computed, which saves most of the lm_head cost on long prompts.
-        keep = width - batch.first_action_position + 1
-        out = self.lm(inputs_embeds=embeds, attention_mask=batch.attention_mask, logits_to_keep=keep,
-                      output_hidden_states=with_values)
-        logits = out.logits
-        logprobs = F.log_softmax(logits[:, :-1].float() / batch.temperatures[:, None, None], dim=-1)
-        targets = batch.token_ids[:, width - keep + 1:]
-        token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        # Rows are right-padded and attention is causal, so no real position attends to padding: no
+        # mask is needed, and without one attention takes its causal kernel (less memory, faster).
+        hidden = self.lm.get_decoder()(inputs_embeds=embeds).last_hidden_state
+        rows, positions = batch.action_mask.nonzero(as_tuple=True)
+        # A token is scored by the logits one position before it; only action tokens get logits.
+        token_logprobs = action_logprobs(self.lm.get_output_embeddings(), hidden[rows, positions - 1],
+                                         batch.token_ids[rows, positions], batch.temperatures[rows])
         scored = torch.zeros(batch.token_ids.shape, dtype=token_logprobs.dtype, device=token_logprobs.device)
-        scored[:, width - keep + 1:] = token_logprobs
-        scored = scored * batch.action_mask
+        scored = scored.index_put((rows, positions), token_logprobs)
         if not with_values:
             return scored
         last_context = batch.action_mask.int().argmax(dim=1) - 1
-        hidden = out.hidden_states[-1][torch.arange(len(last_context), device=last_context.device), last_context]
-        return scored, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        last_hidden = hidden[torch.arange(len(last_context), device=last_context.device), last_context]
+        return scored, self.value_head(last_hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
     @torch.no_grad()
     def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop: StopRule,

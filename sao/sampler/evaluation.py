@@ -70,18 +70,31 @@ def best_version(run_dir: Path) -> int:
     return int(best["version"])
 
 
+def _eval_split(config: SaoConfig) -> tuple[list[Task], list[Task]]:
+    """(the final comparison's tasks, shadow validation's slice): distinct eval tasks, disjoint.
+
+    The final comparison takes the first `run.heldout_cap`, validation up to `trainer.shadow_tasks`
+    after them, so picking the best version never sees the tasks it is then judged on. A split too
+    small for both (humaneval's) is shared: validation keeps the last half of it at most, the
+    final comparison the rest. With shadow validation off, the comparison may use the whole split.
+    """
+    cap, wanted = config.run.heldout_cap, config.trainer.shadow_tasks
+    distinct = _distinct_eval_tasks(config, cap + wanted)
+    reserved = min(wanted, max(len(distinct) - cap, len(distinct) // 2)) if config.trainer.shadow_every else 0
+    kept = len(distinct) - reserved
+    return distinct[:kept], distinct[kept:]
+
+
 def heldout_tasks(config: SaoConfig, cap: int) -> list[Task]:
-    """The first `cap` tasks of the eval split, each distinct task once: what the final comparison scores."""
-    return _distinct_eval_tasks(config, cap)
+    """Up to `cap` distinct eval tasks, none of shadow validation's: what the final comparison scores."""
+    validation = {task.task_id for task in validation_tasks(config)}
+    return [task for task in _distinct_eval_tasks(config, cap + len(validation))
+            if task.task_id not in validation][:cap]
 
 
 def validation_tasks(config: SaoConfig) -> list[Task]:
-    """Shadow validation's slice: up to `trainer.shadow_tasks` distinct eval tasks after the first
-    `run.heldout_cap`, so picking the best version never sees the tasks it is then judged on."""
-    cap = config.run.heldout_cap
-    tested = {task.task_id for task in heldout_tasks(config, cap)}
-    after = _distinct_eval_tasks(config, cap + config.trainer.shadow_tasks)
-    return [task for task in after if task.task_id not in tested][:config.trainer.shadow_tasks]
+    """Shadow validation's slice of the eval split (`_eval_split`)."""
+    return _eval_split(config)[1]
 
 
 class Scorer:

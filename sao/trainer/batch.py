@@ -84,21 +84,55 @@ def record_rewards(plan: BatchPlan, baseline: RewardBaseline) -> None:
         baseline.update(trajectory, returns)
 
 
-def rank_loss(engine, plan: BatchPlan, indices: list[int], normaliser: float, cfg: TrainerConfig,
+Row = tuple[int, int]  # (trajectory's index in the plan, turn): one step's row of tokens
+
+
+def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajectories: bool) -> list[list[Row]]:
+    """The rows of the given trajectories in forward passes of at most `budget` positions each.
+
+    A pass computes (its rows x its longest row) positions, and a training pass's memory grows with
+    them, so this is what bounds a step's peak. Rows are packed shortest first, so a pass pads
+    little. With `whole_trajectories` (sequence-level importance: one ratio over all of a
+    trajectory's rows) a trajectory's rows share a pass. Validation refuses a row, or a whole
+    trajectory when it must share a pass, longer than the budget, so every pass here fits it.
+    """
+    units: list[tuple[int, list[Row]]] = []  # (longest row, rows)
+    for index in indices:
+        lengths = [len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids)
+                   for x in training_inputs(plan.trajectories[index])]
+        rows = [(index, turn) for turn in range(len(lengths))]
+        units += [(max(lengths), rows)] if whole_trajectories else [(n, [row]) for n, row in zip(lengths, rows)]
+    passes: list[list[Row]] = []
+    for longest, rows in sorted(units, key=lambda unit: unit[0]):
+        if passes and (len(passes[-1]) + len(rows)) * longest <= budget:
+            passes[-1] += rows
+        else:
+            passes.append(list(rows))
+    return passes
+
+
+def all_rows(plan: BatchPlan, indices: list[int]) -> list[Row]:
+    return [(index, turn) for index in indices for turn in range(len(plan.trajectories[index].steps))]
+
+
+def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: TrainerConfig,
               memory_dim: int) -> tuple[torch.Tensor, LossStats]:
-    """Forward the given trajectories of the plan; rows with weight 0 keep idle ranks in step."""
+    """Forward the given rows of the plan; with none, one row at weight 0 keeps an idle rank in step."""
     inputs, row_weights, behaviour, temperatures, row_trajectory, returns, freshness = [], [], [], [], [], [], []
-    for local, index in enumerate(indices if indices else [0]):
+    local: dict[int, int] = {}  # trajectory index -> its number within this pass
+    steps_of: dict[int, list] = {}
+    for index, turn in rows if rows else [(0, 0)]:
         trajectory = plan.trajectories[index]
-        fresh = cfg.freshness_decay ** plan.staleness[index] if indices else 0.0
-        for turn, (step_input, step) in enumerate(zip(training_inputs(trajectory), trajectory.steps)):
-            inputs.append(step_input)
-            row_weights.append(plan.advantages[index][turn] * fresh)
-            behaviour.append(torch.from_numpy(step.behaviour_logprobs.copy()))
-            temperatures.append(trajectory.temperature)
-            row_trajectory.append(local)
-            returns.append(plan.returns[index][turn])  # the value head's target
-            freshness.append(fresh)
+        if index not in steps_of:
+            steps_of[index] = training_inputs(trajectory)
+        fresh = cfg.freshness_decay ** plan.staleness[index] if rows else 0.0
+        inputs.append(steps_of[index][turn])
+        row_weights.append(plan.advantages[index][turn] * fresh)
+        behaviour.append(torch.from_numpy(trajectory.steps[turn].behaviour_logprobs.copy()))
+        temperatures.append(trajectory.temperature)
+        row_trajectory.append(local.setdefault(index, len(local)))
+        returns.append(plan.returns[index][turn])  # the value head's target
+        freshness.append(fresh)
     device = engine.device
     scoring = collate_steps(inputs, memory_dim, temperatures).to(device)
     behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=device)
@@ -162,8 +196,7 @@ def _rows(batch: ScoringBatch, rows: torch.Tensor, width: int) -> ScoringBatch:
     """The given rows of a right-padded batch, cut to `width` positions (their longest row)."""
     action_mask = batch.action_mask[rows, :width]
     return ScoringBatch(batch.token_ids[rows, :width], batch.memory_vectors[rows, :width], batch.memory_mask[rows, :width],
-                        batch.attention_mask[rows, :width], action_mask,
-                        int(action_mask.int().argmax(dim=1).min()), batch.temperatures[rows])
+                        batch.attention_mask[rows, :width], action_mask, batch.temperatures[rows])
 
 
 def _score(engine, scoring: ScoringBatch, max_buckets: int, with_values: bool = False):

@@ -67,6 +67,12 @@ class ReplayBuffer:
                 del self.shards[entry.partition][entry.offset]
         return chosen
 
+    def put_back(self, entries: list[BufferEntry]) -> None:
+        """Undo a `take` whose step did not run to the end (the trainer was stopped during it)."""
+        for entry in entries:
+            entry.uses -= 1
+            self.add(entry)
+
     def take_groups(self, groups: int, group_size: int, allow_fewer: bool = False) -> list[BufferEntry]:
         """`groups` whole groups (all `group_size` attempts of a task), in the order groups completed.
 
@@ -80,6 +86,7 @@ class ReplayBuffer:
             return []
         chosen = [entry for members in complete for entry in members[:group_size]]
         for entry in chosen:
+            entry.uses += 1
             del self.shards[entry.partition][entry.offset]
         return chosen
 

@@ -26,6 +26,15 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def agreed_max(value: int, device: torch.device) -> int:
+    """The largest `value` over the ranks (every rank calls it at the same point)."""
+    if world_size() == 1:
+        return value
+    agreed = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed)
+
+
 def broadcast_batch(entries: list[BufferEntry] | None, stop: bool, device: torch.device) -> tuple[list[Trajectory], bool]:
     """Rank 0 passes its buffer entries and whether training should stop; every rank gets both back.
 

@@ -303,7 +303,12 @@ class Trainer:
         started = time.perf_counter()
         outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
                              lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_dim,
-                             self.accumulation)
+                             self.accumulation, lambda: self.stopping)
+        if outcome.interrupted:
+            log.info("stopped during a step: its batch of %d goes back to the buffer, untrained", len(batch))
+            if self.is_leader:
+                self.buffer.put_back(entries)
+            return outcome
         self.phase_s.update(forward_backward=outcome.forward_backward_s, optimizer=outcome.optimizer_s)
         self.step_s = time.perf_counter() - started
         self._refuse(entries, outcome.refused)

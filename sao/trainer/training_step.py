@@ -27,8 +27,8 @@ import torch
 
 from sao.config import TrainerConfig
 from sao.schema import Trajectory
-from sao.trainer.batch import BatchPlan, rank_loss
-from sao.trainer.distributed import all_reduce_stats, rank, world_size
+from sao.trainer.batch import BatchPlan, all_rows, micro_batches, rank_loss
+from sao.trainer.distributed import agreed_max, all_reduce_stats, rank, world_size
 from sao.trainer.engine import reset_after_failed_pass
 from sao.trainer.objectives import LossStats
 
@@ -43,6 +43,7 @@ class StepOutcome:
     refused: list[tuple[Trajectory, str, str]] = field(default_factory=list)  # (trajectory, reason, detail)
     forward_backward_s: float = 0.0
     optimizer_s: float = 0.0
+    interrupted: bool = False  # stopped between two passes: nothing applied, the batch is to be trained later
 
     @property
     def skipped_reason(self) -> str | None:
@@ -53,12 +54,18 @@ class StepOutcome:
 
 
 def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], BatchPlan], cfg: TrainerConfig,
-               memory_dim: int, accumulation: int) -> StepOutcome:
-    """Score `plan` and step; `replan` makes the plan of a smaller batch (advantages depend on the batch)."""
+               memory_dim: int, accumulation: int, stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
+    """Score `plan` and step; `replan` makes the plan of a smaller batch (advantages depend on the batch).
+
+    `stop_requested` is asked between forward passes: a stop (SIGTERM) then waits for one pass at
+    most, and the step is abandoned with nothing applied.
+    """
     refused: list[tuple[Trajectory, str, str]] = []
     while True:
         try:
-            outcome = _forward_backward_step(engine, plan, cfg, memory_dim, accumulation)
+            outcome = _forward_backward_step(engine, plan, cfg, memory_dim, accumulation, stop_requested)
+            if outcome.interrupted:
+                return outcome
             break
         except Exception as err:  # whatever one trajectory triggers must not stop the trainer
             if world_size() > 1:
@@ -68,7 +75,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
             if not unscorable:  # not one trajectory's fault but the batch's (its memory, say), or the trainer's
                 raise RuntimeError(f"training on a batch of {len(plan.trajectories)} failed ({type(err).__name__}: {err}), "
                                    "yet each of its trajectories scores alone; if it ran out of memory, lower "
-                                   "trainer.batch_size or raise gradient_accumulation_steps") from err
+                                   "trainer.micro_batch_tokens") from err
             refused += unscorable
             failed = {id(t) for t, _, _ in unscorable}
             kept = [t for t in plan.trajectories if id(t) not in failed]
@@ -87,29 +94,40 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     return outcome
 
 
-def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int,
-                           accumulation: int) -> StepOutcome:
-    """Forward, backward and optimizer step over the batch, split into `accumulation` chunks and across ranks."""
+def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int, accumulation: int,
+                           stop_requested: Callable[[], bool]) -> StepOutcome:
+    """Forward, backward and optimizer step over the batch: `accumulation` chunks of trajectories,
+    shared among the ranks, each scored in passes of at most `trainer.micro_batch_tokens` positions."""
     ranks, count = world_size(), len(plan.trajectories)
-    normaliser = count / (accumulation * ranks)
-    chunks = [list(range(count))[i::accumulation] for i in range(accumulation)]
+    normaliser = count / (accumulation * ranks)  # DeepSpeed divides each pass's loss by `accumulation`
+    whole = cfg.importance_level == "sequence" and cfg.objective != "ppo"
+    passes = []
+    for first in range(accumulation):
+        mine = list(range(count))[first::accumulation][rank()::ranks]
+        passes += micro_batches(plan, mine, cfg.micro_batch_tokens, whole)
+    # ZeRO-3 gathers parameters collectively in every pass: each rank makes as many, idle ones at weight 0.
+    passes += [[]] * (agreed_max(len(passes), engine.device) - len(passes))
     parts, forward_backward_s, optimizer_s = [], 0.0, 0.0
-    for index, chunk in enumerate(chunks):
+    for index, rows in enumerate(passes):
         # Said outright rather than counted by DeepSpeed: after a pass that raised half-way its
         # count of micro-steps is off, and the retried batch would step in the middle.
-        engine.set_gradient_accumulation_boundary(index == len(chunks) - 1)
+        engine.set_gradient_accumulation_boundary(index == len(passes) - 1)
         t0 = time.perf_counter()
-        loss, stats = rank_loss(engine, plan, chunk[rank()::ranks], normaliser, cfg, memory_dim)
+        loss, stats = rank_loss(engine, plan, rows, normaliser, cfg, memory_dim)
         if not torch.isfinite(loss):
             # A NaN seed gradient makes every gradient it reaches NaN: DeepSpeed then skips the
-            # step on all ranks, and the gradients of earlier accumulation chunks go with it.
+            # step on all ranks, and the gradients of earlier passes go with it.
             loss = loss * float("nan")
         engine.backward(loss)
         t1 = time.perf_counter()
         engine.step()
         forward_backward_s += t1 - t0
         optimizer_s += time.perf_counter() - t1
-        parts.append(stats)
+        if rows or not parts:
+            parts.append(stats)
+        if index < len(passes) - 1 and agreed_max(int(stop_requested()), engine.device):
+            reset_after_failed_pass(engine)  # drops the gradients of the passes so far
+            return StepOutcome(plan, None, False, interrupted=True)
     stats = all_reduce_stats(parts, accumulation * ranks, engine.device)
     return StepOutcome(plan, stats, bool(engine.was_step_applied()), forward_backward_s=forward_backward_s,
                        optimizer_s=optimizer_s)
@@ -122,7 +140,7 @@ def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int) ->
         alone = BatchPlan([trajectory], [plan.advantages[index]], [plan.staleness[index]], [plan.returns[index]])
         try:
             with torch.no_grad():
-                rank_loss(engine, alone, [0], 1.0, cfg, memory_dim)
+                rank_loss(engine, alone, all_rows(alone, [0]), 1.0, cfg, memory_dim)
         except Exception as err:  # noqa: BLE001 - the error is the finding: it goes to the DLQ with the trajectory
             reset_after_failed_pass(engine)
             log.warning("trajectory %s raises when scored: %s: %s", trajectory.trajectory_id, type(err).__name__, err)

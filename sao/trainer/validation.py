@@ -44,6 +44,8 @@ class TrajectoryValidator:
     memory_basis: str = ""  # the bottleneck identity memory must be coded in; "" = the encoder's full width
     max_tokens: int | None = None  # trainer.max_trajectory_tokens: every scored row's tokens together
     max_positions: int | None = None  # the model's positions: the longest row it can score
+    max_pass_tokens: int | None = None  # trainer.micro_batch_tokens: the longest row one training pass may hold
+    whole_trajectory_pass: bool = False  # sequence-level importance: all of a trajectory's rows share a pass
 
     @classmethod
     def for_model(cls, model: nn.Module, memory_dim: int, config: SaoConfig,
@@ -56,7 +58,9 @@ class TrajectoryValidator:
             vocab_size = min(vocab_size, output.out_features)
         return cls(vocab_size, memory_dim, config.trainer.max_abs_reward, config.trainer.max_trajectory_bytes,
                    config.env.max_turns, task_env(config.env.name), memory_basis,
-                   config.trainer.max_trajectory_tokens, getattr(lm.config, "max_position_embeddings", None))
+                   config.trainer.max_trajectory_tokens, getattr(lm.config, "max_position_embeddings", None),
+                   config.trainer.micro_batch_tokens,
+                   config.trainer.importance_level == "sequence" and config.trainer.objective != "ppo")
 
     def check_size(self, num_bytes: int) -> None:
         """Before decoding: a message over `trainer.max_trajectory_bytes` is refused unread."""
@@ -107,7 +111,7 @@ class TrajectoryValidator:
             raise SchemaError("out-of-range", "recent_window", f"{trajectory.recent_window} is negative")
         prompt, window = len(trajectory.prompt_ids), trajectory.recent_window
         pair_lengths: list[int] = []
-        total = 0
+        total = longest = 0
         for i, step in enumerate(trajectory.steps):
             recent = sum(pair_lengths[len(pair_lengths) - window:]) if window else 0
             pair = len(step.observation_ids) + len(step.action_ids)
@@ -116,6 +120,16 @@ class TrajectoryValidator:
                 raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens (prompt, memory, recent steps, "
                                                               f"observation, action) is over the model's "
                                                               f"{self.max_positions} positions")
+            if self.max_pass_tokens is not None and row > self.max_pass_tokens:
+                raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens is over the "
+                                                              f"{self.max_pass_tokens} one training pass holds "
+                                                              f"(trainer.micro_batch_tokens)")
+            longest = max(longest, row)
+            if self.whole_trajectory_pass and self.max_pass_tokens is not None and \
+                    longest * (i + 1) > self.max_pass_tokens:
+                raise SchemaError("too-large", "steps", f"its {i + 1} rows need {longest * (i + 1)} positions in one "
+                                                        f"pass (importance_level = 'sequence'), over "
+                                                        f"trainer.micro_batch_tokens ({self.max_pass_tokens})")
             total += row
             if self.max_tokens is not None and total > self.max_tokens:
                 raise SchemaError("too-large", "steps", f"its rows hold over {self.max_tokens} tokens "

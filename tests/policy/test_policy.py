@@ -56,7 +56,7 @@ def test_collate_layout():
     assert batch.memory_mask[0, 10:12].all() and not batch.memory_mask[1].any()
     assert batch.action_mask[0].nonzero().flatten().tolist() == [17, 18]
     assert batch.action_mask[1].nonzero().flatten().tolist() == [15]
-    assert batch.attention_mask[1].sum() == 16 and batch.first_action_position == 15
+    assert batch.attention_mask[1].sum() == 16
 
 
 def test_weights_round_trip_and_hash_check(policy, tiny_config, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from sao.compression.bottleneck import resolve_bottleneck
 from sao.policy.weights import build_policy, unique_state_dict, write_weights
-from sao.sampler.evaluation import compare, evaluate, heldout_tasks, weights_of
+from sao.sampler.evaluation import compare, evaluate, heldout_tasks, validation_tasks, weights_of
 from sao.schema import PolicyAnnouncement
 
 # What a default trainer publishes: a projector reading the shipped basis's coordinates.
@@ -26,6 +26,7 @@ def _with_cache(config, cache_dir):
 
 
 def test_heldout_tasks_are_distinct_and_capped(tiny_config):
+    tiny_config = tiny_config.model_copy(update={"trainer": tiny_config.trainer.model_copy(update={"shadow_every": 0})})
     everything = heldout_tasks(tiny_config, 400)
     assert len(everything) == len({t.task_id for t in everything}) >= 100  # the default domain holds out 129
     assert [t.task_id for t in heldout_tasks(tiny_config, 10)] == [t.task_id for t in everything[:10]]
@@ -115,3 +116,17 @@ def test_sao_eval_reports_the_paired_comparison_against_a_baseline(tmp_path):
     assert json.loads((tmp_path / "eval" / "heldout.json").read_text())["heldout_n"] == 2
     missing = CliRunner().invoke(app, [*common, "--version", "5", "--baseline", "0"])
     assert missing.exit_code == 2 and "policy v5 is not in" in missing.output
+
+
+def test_a_small_eval_split_is_shared_between_validation_and_the_final_comparison(tiny_config):
+    """humaneval holds out 33 problems: with shadow validation on, both get some, and never the same."""
+    trainer = tiny_config.trainer.model_copy(update={"shadow_every": 2, "shadow_tasks": 48})
+    humaneval = tiny_config.model_copy(update={"env": tiny_config.env.model_copy(update={"name": "humaneval"}),
+                                               "trainer": trainer})
+    final, validation = heldout_tasks(humaneval, 80), validation_tasks(humaneval)
+    assert (len(final), len(validation)) == (17, 16)
+    assert not {t.task_id for t in final} & {t.task_id for t in validation}
+    arithmetic = tiny_config.model_copy(update={"trainer": trainer})  # 129 distinct: 80 and 48, as configured
+    final, validation = heldout_tasks(arithmetic, 80), validation_tasks(arithmetic)
+    assert (len(final), len(validation)) == (80, 48)
+    assert not {t.task_id for t in final} & {t.task_id for t in validation}

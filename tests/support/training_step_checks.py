@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sao.config import load_config
 from sao.policy.weights import build_policy
 from sao.trainer.baselines import RewardBaseline
-from sao.trainer.batch import plan_batch
+from sao.trainer.batch import micro_batches, plan_batch
 from sao.trainer.engine import batch_layout, build_engine, gather_full_state, shutdown
 from sao.trainer.training_step import train_step
 from support.trainer_runs import synthetic_trajectory
@@ -26,17 +26,19 @@ from support.trainer_runs import synthetic_trajectory
 def main() -> None:
     # argv[1]: the [trainer] deepspeed table, as TOML (e.g. gradient accumulation, CPU offload).
     deepspeed = sys.argv[1] if len(sys.argv) > 1 else "{}"
-    cfg = load_config(overrides=['policy.model="tiny"', f"trainer.deepspeed={deepspeed}"], environ={})
+    # A small token budget: a batch takes several passes, so a stop can come between two of them.
+    cfg = load_config(overrides=['policy.model="tiny"', f"trainer.deepspeed={deepspeed}",
+                                 "trainer.micro_batch_tokens=64"], environ={})
     accumulation = batch_layout(cfg.trainer, 1)[1]
     rng = np.random.default_rng(1)
     good = [synthetic_trajectory(i, rng) for i in range(8)]
     unscorable = replace(good[0], trajectory_id="bad#0", prompt_ids=np.array([10**6, 5], np.int32))
     poisoned = replace(good[0], trajectory_id="poison#0", steps=[replace(s, reward=1e39) for s in good[0].steps])
 
-    def step(engine, batch):
+    def step(engine, batch, stop_requested=lambda: False):
         plan = plan_batch(batch, RewardBaseline(), cfg.trainer, 0)
         return train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg.trainer, 0), cfg.trainer,
-                          384, accumulation)
+                          384, accumulation, stop_requested)
 
     def snapshot(engine):
         weights = gather_full_state(engine)
@@ -72,6 +74,18 @@ def main() -> None:
     findings["same_as_clean_after_skip"] = identical(final, snapshot(clean)[0])
     findings["final_finite"] = all(bool(torch.isfinite(t).all()) for t in final.values())
     findings["moved_since_skip"] = not identical(final, after_skip[0])
+    # 4. A stop between two passes abandons the step: nothing moves, and the batch trains later
+    #    exactly as if the abandoned step had never begun.
+    plan = plan_batch(good[:4], RewardBaseline(), cfg.trainer, 0)
+    findings["passes"] = len(micro_batches(plan, list(range(4)), cfg.trainer.micro_batch_tokens, False))
+    asked = []
+    outcome = step(faulty, good[:4], stop_requested=lambda: asked.append(1) or True)
+    findings["interrupted"] = outcome.interrupted and not outcome.applied
+    findings["passes_before_stop"] = len(asked)
+    findings["weights_unchanged_by_stop"] = identical(final, snapshot(faulty)[0])
+    step(faulty, good[:4])
+    step(clean, good[:4])
+    findings["same_as_clean_after_stop"] = identical(snapshot(faulty)[0], snapshot(clean)[0])
     shutdown()
     print("FINDINGS " + json.dumps(findings))
 

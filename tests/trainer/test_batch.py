@@ -12,6 +12,7 @@ from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards, turn_returns
 from sao.trainer.objectives import LossInputs, policy_loss
 from support.advantages import flat, one_turn
+from support.trainer_runs import synthetic_trajectory
 
 
 def trajectory(task_id: str, reward: float, attempt: int = 0, version: int = 0, prompt_token: int = 0) -> Trajectory:
@@ -133,7 +134,7 @@ def test_auto_turn_credit_follows_the_env(tiny_config):
 
 def test_value_head_learns_returns_and_sets_advantages(tiny_config):
     from sao.policy.weights import build_policy
-    from sao.trainer.batch import rank_loss
+    from sao.trainer.batch import all_rows, rank_loss
 
     class Engine:  # rank_loss needs only a callable module and its device
         def __init__(self, module):
@@ -149,7 +150,7 @@ def test_value_head_learns_returns_and_sets_advantages(tiny_config):
     optimizer = torch.optim.Adam(policy.value_head.parameters(), lr=0.05)
     first = None
     for _ in range(60):
-        loss, stats = rank_loss(Engine(policy), plan, [0, 1], 2, cfg, 8)
+        loss, stats = rank_loss(Engine(policy), plan, all_rows(plan, [0, 1]), 2, cfg, 8)
         first = stats.value_loss if first is None else first
         optimizer.zero_grad()
         loss.backward()
@@ -184,7 +185,7 @@ def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
 
     from sao.policy.context import training_inputs
     from sao.policy.weights import build_policy
-    from sao.trainer.batch import length_buckets, rank_loss
+    from sao.trainer.batch import all_rows, length_buckets, rank_loss
 
     class Engine:
         def __init__(self, module):
@@ -206,7 +207,7 @@ def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
         model = copy.deepcopy(policy)
         cfg = TrainerConfig(length_buckets=buckets, whiten_advantages=False, **knobs)
         plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=0)
-        loss, stats = rank_loss(Engine(model), plan, list(range(len(batch))), len(batch), cfg, 8)
+        loss, stats = rank_loss(Engine(model), plan, all_rows(plan, list(range(len(batch)))), len(batch), cfg, 8)
         loss.backward()
         results.append((loss.detach(), stats, {name: p.grad.clone() for name, p in model.named_parameters()
                                                if p.grad is not None}))
@@ -234,3 +235,25 @@ def test_auto_turn_credit_falls_back_when_the_trainer_cannot_import_a_plugin_env
     plugin = tiny_config.model_copy(update={"env": tiny_config.env.model_copy(update={"name": "not_installed.envs:Game"})})
     assert turn_credit(plugin) == "reward_to_go"
     assert "trainer.turn_credit" in caplog.text and "not_installed" in caplog.text
+
+
+def test_micro_batches_hold_every_row_once_within_the_token_budget():
+    """A step's passes are what bounds the trainer's memory: none over the budget, no row lost or twice."""
+    from sao.policy.context import training_inputs
+    from sao.trainer.batch import micro_batches
+
+    rng = np.random.default_rng(3)
+    batch = [synthetic_trajectory(i, rng) for i in range(12)]
+    plan = plan_batch(batch, RewardBaseline(), TrainerConfig(), 0)
+    length = {(i, turn): len(x.prompt_ids) + len(x.context_ids) + len(x.action_ids) + len(x.memory)
+              for i, t in enumerate(batch) for turn, x in enumerate(training_inputs(t))}
+    budget = 3 * max(length.values())
+    passes = micro_batches(plan, list(range(12)), budget, whole_trajectories=False)
+    assert sorted(row for rows in passes for row in rows) == sorted(length)
+    assert len(passes) > 1 and all(len(rows) * max(length[r] for r in rows) <= budget for rows in passes)
+    # Sequence-level importance: a trajectory's rows share one pass.
+    whole = micro_batches(plan, list(range(12)), budget, whole_trajectories=True)
+    assert sorted(row for rows in whole for row in rows) == sorted(length)
+    for index in range(12):
+        assert len({n for n, rows in enumerate(whole) for i, _ in rows if i == index}) == 1
+    assert micro_batches(plan, [], budget, False) == []

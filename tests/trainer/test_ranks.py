@@ -26,12 +26,15 @@ VARIANTS = {  # name: (ranks, extra [trainer] TOML)
     "two_ranks": (2, ""),
     "accumulation": (1, "deepspeed = { gradient_accumulation_steps = 2 }"),
     "cpu_offload": (1, 'deepspeed = { zero_optimization = { offload_optimizer = { device = "cpu" } } }'),
+    # Passes of at most 64 positions: several per step, a different number on each rank.
+    "token_passes": (2, "micro_batch_tokens = 64"),
 }
 
 
 @pytest.mark.slow
 def test_ranks_accumulation_and_offload_follow_one_loss_curve(kafka_bootstrap, unique_topic_prefix, tmp_path):
-    """2 ranks, 2 accumulation micro-batches and CPU offload train exactly like 1 plain rank."""
+    """2 ranks, 2 accumulation micro-batches, CPU offload and passes cut by a token budget train exactly like
+    1 plain rank."""
     # One partition: every run reads the same trajectories in the same order.
     produce_trajectories(kafka_bootstrap, unique_topic_prefix, partitions=1)
     status = {}
@@ -47,7 +50,7 @@ def test_ranks_accumulation_and_offload_follow_one_loss_curve(kafka_bootstrap, u
         return [record[figure] for record in run["steps"]]
 
     assert len(series(one, "loss")) == 5  # 18 trajectories / 4, the last batch partial
-    for name in ("two_ranks", "accumulation", "cpu_offload"):
+    for name in ("two_ranks", "accumulation", "cpu_offload", "token_passes"):
         other = status[name]
         assert series(other, "loss") == pytest.approx(series(one, "loss"), rel=1e-4, abs=1e-4), name
         assert series(other, "grad_norm") == pytest.approx(series(one, "grad_norm"), rel=1e-4), name

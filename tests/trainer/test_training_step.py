@@ -47,6 +47,9 @@ def test_what_cannot_be_trained_leaves_no_trace_in_the_engine(deepspeed):
                                             ["task-3#0", "non-finite-loss"]]
     assert findings["weights_unchanged_by_skip"] and findings["moments_unchanged_by_skip"]  # bit for bit
     assert findings["same_as_clean_after_skip"] and findings["moved_since_skip"] and findings["final_finite"]
+    # A stop (SIGTERM) waits for one pass at most: the step is abandoned and leaves no trace.
+    assert findings["passes"] > 1 and findings["interrupted"] and findings["passes_before_stop"] == 1
+    assert findings["weights_unchanged_by_stop"] and findings["same_as_clean_after_stop"]
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 from sao.config import TrainerConfig
 from sao.schema import SchemaError, Trajectory, decode, encode, pack_array
 from sao.trainer.baselines import RewardBaseline
-from sao.trainer.batch import plan_batch, rank_loss
+from sao.trainer.batch import all_rows, plan_batch, rank_loss
 from sao.trainer.validation import TrajectoryValidator
 from sao.transport.topics import ensure_topics
 from support.bad_trajectories import CORRUPTIONS, big_valid_trajectory
@@ -161,6 +161,24 @@ def test_tokens_are_bounded_per_row_and_in_all(validator):
     assert (refused.value.reason, refused.value.field) == ("too-large", "steps")
 
 
+def test_rows_must_fit_one_training_pass(validator):
+    """trainer.micro_batch_tokens bounds what one pass computes: a longer row (or, with sequence-level
+    importance, a trajectory whose rows must share a pass) is refused before any tensor is built."""
+    four = replace(_four_steps(), recent_window=2)
+    row = len(four.prompt_ids) + len(four.steps[0].observation_ids) + len(four.steps[0].action_ids)
+    pair = row - len(four.prompt_ids)
+    rows = [row + pair * min(i, 2) for i in range(4)]
+    replace(validator, max_pass_tokens=max(rows)).validate(over_the_wire(four), policy_version=0)
+    with pytest.raises(SchemaError, match=r"trainer\.micro_batch_tokens") as refused:
+        replace(validator, max_pass_tokens=max(rows) - 1).validate(over_the_wire(four), policy_version=0)
+    assert (refused.value.reason, refused.value.field) == ("too-large", "steps[2]")
+    whole = replace(validator, max_pass_tokens=4 * max(rows), whole_trajectory_pass=True)
+    whole.validate(over_the_wire(four), policy_version=0)
+    with pytest.raises(SchemaError, match="importance_level") as refused:
+        replace(whole, max_pass_tokens=4 * max(rows) - 1).validate(over_the_wire(four), policy_version=0)
+    assert (refused.value.reason, refused.value.field) == ("too-large", "steps")
+
+
 @pytest.mark.parametrize("spans", [[[0, 0], [0, 1]], [[1, 0]], [[0, 1], [3, 3]]])
 def test_memory_spans_must_be_ordered_and_within_the_steps(validator, spans):
     from sao.schema import Memory
@@ -193,6 +211,7 @@ def test_limits_come_from_the_model_the_trainer_built(tiny_config):
     assert validator.max_abs_reward == tiny_config.trainer.max_abs_reward
     assert validator.max_bytes == tiny_config.trainer.max_trajectory_bytes
     assert (validator.max_tokens, validator.max_positions) == (tiny_config.trainer.max_trajectory_tokens, 1024)
+    assert (validator.max_pass_tokens, validator.whole_trajectory_pass) == (tiny_config.trainer.micro_batch_tokens, False)
 
 
 # --- fuzz: whatever passes validation can be scored --------------------------------------------
@@ -262,7 +281,7 @@ def test_whatever_passes_validation_scores_to_a_finite_loss_and_gradient(tiny_co
             outcomes["refused"] += 1
             continue
         plan = plan_batch([trajectory, partner], RewardBaseline(), cfg, policy_version=2)
-        loss, _ = rank_loss(Engine(policy), plan, [0, 1], 2, cfg, SHIPPED_BASIS.width)
+        loss, _ = rank_loss(Engine(policy), plan, all_rows(plan, [0, 1]), 2, cfg, SHIPPED_BASIS.width)
         policy.zero_grad()
         loss.backward()
         assert torch.isfinite(loss), trajectory
