@@ -74,7 +74,8 @@ def worker(model: str, offload: bool, steps: int, out: Path) -> None:
     step_s, losses = [], []
     for _ in range(steps):
         started = time.perf_counter()
-        loss, _ = rank_loss(engine, plan, all_rows(plan, list(range(4))[rank()::world_size()]), 4 / world_size(), config.trainer, 384)
+        rows = all_rows(plan, list(range(4))[rank()::world_size()])
+        loss, _ = rank_loss(engine, plan, rows, 4 / world_size(), config.trainer, 384)
         engine.backward(loss)
         engine.step()
         step_s.append(time.perf_counter() - started)
