@@ -153,6 +153,9 @@ def _warn_weak_isolation(layers: tuple[str, ...], cgroup_wanted: bool) -> None:
         log.warning("code sandbox runs without %s (unshare refused here): generated code may reach the network "
                     "or the host's /tmp, and daemons it starts may outlive the run; only rlimits%s apply",
                     ", ".join(missing), " and a uid of its own" if "uid" in layers else "")
+    elif "newroot" not in layers:
+        log.warning("code sandbox runs without a root of its own (pivot_root refused here): generated code can "
+                    "read the host's files and connect to UNIX socket files outside /run and /tmp")
     if "cgroup" not in layers:
         bound = ("max_processes x memory_mb (RLIMIT_NPROC of its own uid, RLIMIT_AS)" if "uid" in layers
                  else "none: only memory_mb per process (RLIMIT_AS), for any number of processes")

@@ -12,9 +12,20 @@ Layers, each recorded by name in the report's `layers`:
   supervisor is PID 1 of the new pid namespace, and when it exits the kernel kills every
   process left in it (fork bombs, daemons that called setsid); SysV IPC objects and POSIX
   message queues are private and go with the namespace.
-- `readonly`: every inherited mount is read-only; `tmpfs`: fresh size-limited tmpfs over
-  /tmp, /var/tmp and /dev/shm, so the program can write only to memory that vanishes with it,
-  and over /run (and /var/run), which hides the host's UNIX sockets.
+- `readonly`: every inherited mount is read-only, and so is every bind made from one.
+- `newroot`: the program's / is a small tmpfs holding only the interpreter's prefix and the
+  system's library directories (/lib*, /usr/lib*: all `python -I -S` and the stdlib's extension
+  modules load), bound at their host paths; a /dev of null, zero, random and urandom (bound) and
+  links (fd, std*, and shm to /tmp); a /proc; a /tmp. pivot_root sets the host's tree aside;
+  init detaches it once it has mounted /proc (a user namespace may mount a fresh proc only while
+  a full one is in sight), then makes / read-only. So no other host file is in reach: not the
+  checkout, not /etc, not a home, not a UNIX socket file anywhere. Abstract UNIX sockets have no
+  file: they belong to a network namespace, and `netns` leaves the host's behind. Where the
+  kernel refuses (pivot_root needs a real root mount), the layer is absent and the host's tree
+  stays in sight, read-only, with the tmpfs below over its writable directories and /run.
+- `tmpfs`: a fresh size-limited tmpfs at /tmp, so the program can write only to memory that
+  vanishes with it. Without `newroot`, also over the host's /var/tmp and /dev/shm, and over
+  /run (and /var/run), which hides the host's daemons' UNIX sockets.
 - `proc`: a /proc of the new pid namespace (the program sees no host processes).
 - `uid`: as root, the program runs as a uid of its own (UID_BASE + launcher pid), so it can
   signal nothing else and RLIMIT_NPROC, which root ignores, bounds its processes.
@@ -39,11 +50,18 @@ UID_BASE = 200_000
 SCRATCH = "/tmp/sandbox"  # the program's cwd, HOME and TMPDIR when the mount namespace applies
 OUTPUT_DIR = "/tmp/.sandbox-output"  # root-only tmpfs holding the program's stdout/stderr
 STAGING_DIR = "/tmp/.sandbox-staging"  # where the interpreter is bind-mounted before moving into place
+NEW_ROOT = "/tmp"  # where the new root is built: a directory every host has, and one hidden anyway
+OLD_ROOT = "/.old-root"  # where pivot_root leaves the host's tree until init detaches it
+LIBRARY_DIRS = ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64")
+DEVICES = ("null", "zero", "random", "urandom")
+DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+                "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # shm: POSIX semaphores (multiprocessing) in /tmp
 MAX_OPEN_FILES = 64
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 8192, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE = 1, 2, 4, 8, 32, 4096, 8192
+MS_REC, MS_PRIVATE, MNT_DETACH = 16384, 1 << 18, 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
 
@@ -122,9 +140,65 @@ def _expose(paths: list[str]) -> None:
             _mount(stage, path, None, MS_MOVE)
 
 
+def _outermost(paths: set[str]) -> list[str]:
+    """`paths` less those inside another one, parents first."""
+    kept: list[str] = []
+    for path in sorted(paths):
+        if not any(path == parent or path.startswith(parent.rstrip("/") + "/") for parent in kept):
+            kept.append(path)
+    return kept
+
+
+def _bind_into(root: str, path: str) -> None:
+    """Bind the host's `path` (a directory or a device node) at the same path under `root`; copy a symlink."""
+    target = root + path
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.islink(path):
+        os.symlink(os.readlink(path), target)
+        return
+    if os.path.isdir(path):
+        os.mkdir(target)
+    else:
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o600))
+    _mount(path, target, None, MS_BIND | MS_REC)  # a bind of a read-only mount is read-only
+
+
+def enter_new_root(interpreter_paths: list[str]) -> bool:
+    """Build a root of only what the interpreter needs and pivot into it; the host's tree stays at
+    OLD_ROOT for `leave_old_root`. False (nothing changed) where the kernel refuses."""
+    _mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=1m")
+    try:
+        libraries = [path for path in LIBRARY_DIRS if os.path.lexists(path)]
+        wanted = {os.path.realpath(path) for path in libraries} | set(interpreter_paths)
+        for path in [link for link in libraries if os.path.islink(link)] + _outermost(wanted):
+            _bind_into(NEW_ROOT, path)
+        for name in DEVICES:
+            _bind_into(NEW_ROOT, f"/dev/{name}")
+        for name, target in DEVICE_LINKS.items():
+            os.symlink(target, f"{NEW_ROOT}/dev/{name}")
+        for path in ("/proc", "/tmp", OLD_ROOT):
+            os.mkdir(NEW_ROOT + path)
+        _libc.pivot_root.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        _check(_libc.pivot_root(NEW_ROOT.encode(), (NEW_ROOT + OLD_ROOT).encode()), "pivot_root")
+    except (OSError, AttributeError) as err:  # AttributeError: a libc without pivot_root
+        sys.stderr.write(f"sandbox: no new root, the host's tree stays in sight, read-only: {err}\n")
+        _libc.umount2(NEW_ROOT.encode(), MNT_DETACH)
+        return False
+    os.chdir("/")  # a cwd left in the host's tree would keep it reachable for every child
+    return True
+
+
+def leave_old_root() -> None:
+    """In init, once /proc is mounted: detach the host's tree and make the new root read-only."""
+    _check(_libc.umount2(OLD_ROOT.encode(), MNT_DETACH), f"umount {OLD_ROOT}")
+    os.rmdir(OLD_ROOT)
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
 def private_filesystem(max_file_mb: int, interpreter_paths: list[str]) -> list[str]:
     """In the new mount namespace: nothing propagates to the host, the inherited tree is
-    read-only, the world-writable directories are fresh tmpfs, and so is /run (host sockets)."""
+    read-only, and the program gets a new root; failing that, the world-writable directories
+    are fresh tmpfs, and so is /run (host sockets)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # must hold, or our mounts would show on the host
     layers = []
     attr = _MountAttr(attr_set=MOUNT_ATTR_RDONLY)
@@ -132,16 +206,20 @@ def private_filesystem(max_file_mb: int, interpreter_paths: list[str]) -> list[s
                      ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
         layers.append("readonly")  # kernels before 5.12 lack mount_setattr; the uid layer still guards
     flags = MS_NOSUID | MS_NODEV
+    if enter_new_root(interpreter_paths):
+        layers.append("newroot")
+    else:
+        for path in ("/var/tmp", "/dev/shm"):
+            if os.path.isdir(path):
+                _mount("tmpfs", path, "tmpfs", flags, f"mode=1777,size={max_file_mb}m")
+        for path in ("/run", "/var/run"):  # /var/run is mostly a link to /run, then mounting /run did it
+            if os.path.isdir(path) and not os.path.islink(path):
+                _mount("tmpfs", path, "tmpfs", flags | MS_NOEXEC, "mode=0755,size=1m")
     _mount("tmpfs", "/tmp", "tmpfs", flags, f"mode=1777,size={max_file_mb}m")
-    for path in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(path):
-            _mount("tmpfs", path, "tmpfs", flags, f"mode=1777,size={max_file_mb}m")
-    for path in ("/run", "/var/run"):  # /var/run is mostly a link to /run, then mounting /run did it
-        if os.path.isdir(path) and not os.path.islink(path):
-            _mount("tmpfs", path, "tmpfs", flags | MS_NOEXEC, "mode=0755,size=1m")
     os.mkdir(OUTPUT_DIR, 0o700)  # stdout + stderr, each at most max_file_mb (RLIMIT_FSIZE)
     _mount("tmpfs", OUTPUT_DIR, "tmpfs", flags | MS_NOEXEC, f"mode=0700,size={2 * max_file_mb + 1}m")
-    _expose(interpreter_paths)
+    if "newroot" not in layers:
+        _expose(interpreter_paths)  # in the new root every directory above the interpreter is ours
     return layers + ["tmpfs"]
 
 
@@ -202,6 +280,8 @@ def run_init(python: str, scratch: str, fds: tuple[int, int, int], uid: int | No
                 added.append("proc")
             except OSError:
                 pass  # some containers refuse a fresh proc; the uid and pidns layers still apply
+        if "newroot" in layers:
+            leave_old_root()  # failing, the program never starts: the host's tree is still attached
         os.write(report_pipe, json.dumps({"layers": added}).encode() + b"\n")
         error_read, error_write = os.pipe()
         program = os.fork()
@@ -239,8 +319,8 @@ def wait_for_init(init: int, report_pipe: int, wall_time_s: float) -> tuple[list
         os.killpg(init, signal.SIGKILL)  # killing PID 1 of the pid namespace kills all of it
     os.waitpid(init, 0)  # returns once the pid namespace is empty
     lines = [json.loads(line) for line in received.splitlines()]
-    if ended and len(lines) < 2:
-        return [], {"error": "sandbox init ended without a report"}
+    if ended and len(lines) < 2:  # init failed before the program started: its one line says why
+        return [], lines[0] if lines and "error" in lines[0] else {"error": "sandbox init ended without a report"}
     return lines[0]["layers"] if lines else [], (lines[1] if ended else None)
 
 
@@ -256,7 +336,8 @@ def main() -> None:
     source = sys.stdin.buffer.read()  # run_python moves us into the run's cgroup before it writes this
     os.umask(0o022)
     python = os.path.realpath(sys.executable)  # the base interpreter; -S skips the venv anyway
-    interpreter_paths = sorted({os.path.dirname(python), os.path.realpath(sys.base_prefix)})
+    interpreter_paths = sorted({os.path.dirname(python), os.path.realpath(sys.base_prefix),
+                                os.path.realpath(sys.base_exec_prefix)})
     layers = enter_namespaces()
     root = os.geteuid() == 0 and "userns" not in layers
     if "mountns" in layers:

@@ -8,6 +8,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_passing_and_failing_programs():
 
 @needs_root
 def test_full_isolation_as_root(layers):
-    assert {"netns", "mountns", "pidns", "ipcns", "tmpfs", "uid", "rlimits"} <= set(layers)
+    assert {"netns", "mountns", "pidns", "ipcns", "newroot", "tmpfs", "uid", "rlimits"} <= set(layers)
     seen = run("import os; print(os.getuid(), os.getpid(), sorted(os.listdir('/root')))")
     uid, pid, home = seen.stdout_tail.split(" ", 2)
     assert int(uid) == seen.uid >= UID_BASE
@@ -254,6 +255,108 @@ def test_host_unix_sockets_in_run_are_out_of_sight(layers, host_socket_in_run):
     assert result.stdout_tail.splitlines()[0] == "hidden" and "connected" not in result.stdout_tail
     with pytest.raises(TimeoutError):
         server.accept()  # nothing ever connected
+
+
+def _root_entries_allowed() -> set[str]:
+    """What / may hold in the new root: its own dirs, the library dirs, the interpreter's top dirs."""
+    interpreter = [os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(sys.executable))]
+    return {"dev", "proc", "tmp", "lib", "lib32", "lib64", "usr"} | {path.split("/")[1] for path in interpreter}
+
+
+def test_host_files_are_out_of_sight(layers):
+    needs(layers, "mountns", "newroot")
+    host_files = [Path(__file__), REPO / "pyproject.toml", Path("/etc/passwd"), Path("/etc/hostname")]
+    assert all(path.exists() for path in host_files[:3])  # the test could fail
+    result = run_python(textwrap.dedent(f"""
+        import json, os
+        seen = {{"root": sorted(os.listdir("/")), "dev": sorted(os.listdir("/dev")), "read": []}}
+        for path in {[str(path) for path in host_files]!r}:
+            try:
+                with open(path, "rb") as file:
+                    seen["read"].append(path)
+            except (FileNotFoundError, PermissionError):
+                pass
+        print(json.dumps(seen))
+    """), LIMITS, stdout_chars=1 << 20)  # the host's /dev, seen without newroot, exceeds output_chars
+    assert result.status == "passed", result.stderr_tail
+    seen = json.loads(result.stdout_tail)
+    assert seen["read"] == []
+    assert {"dev", "proc", "tmp"} <= set(seen["root"]) <= _root_entries_allowed(), seen["root"]
+    assert set(seen["dev"]) == {"null", "zero", "random", "urandom", "fd", "stdin", "stdout", "stderr", "shm"}
+
+
+@pytest.fixture
+def socket_in_the_checkout():
+    """A listening UNIX socket in a directory of the checkout, as a hostile user found one."""
+    directory = REPO / f".sao-test-{secrets.token_hex(4)}"
+    directory.mkdir(mode=0o755)
+    path = directory / "s.sock"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(str(path))
+            os.chmod(path, 0o777)  # anyone on the host may connect: only the sandbox's view stops it
+            server.listen()
+            server.settimeout(0.5)
+            yield server, str(path)
+    finally:
+        path.unlink(missing_ok=True)
+        directory.rmdir()
+
+
+@pytest.fixture
+def abstract_socket():
+    """A listening UNIX socket in the abstract namespace: no file, reachable by name from the same netns."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(f"\0sao-test-{secrets.token_hex(4)}")
+        server.listen()
+        server.settimeout(0.5)
+        yield server, server.getsockname()
+
+
+_CONNECT = """
+    import socket
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect({address!r})
+        print("connected")
+    except OSError as err:
+        print("refused", type(err).__name__)
+"""
+
+
+def test_unix_socket_in_the_checkout_is_unreachable(layers, socket_in_the_checkout):
+    needs(layers, "mountns", "newroot")
+    server, path = socket_in_the_checkout
+    result = run(_CONNECT.format(address=path))
+    assert result.status == "passed", result.stderr_tail
+    assert result.stdout_tail.strip() == "refused FileNotFoundError"
+    with pytest.raises(TimeoutError):
+        server.accept()  # nothing ever connected
+
+
+def test_abstract_unix_socket_is_unreachable(layers, abstract_socket):
+    needs(layers, "netns")  # abstract names belong to a network namespace
+    server, name = abstract_socket
+    result = run(_CONNECT.format(address=name))
+    assert result.status == "passed", result.stderr_tail
+    assert result.stdout_tail.strip() == "refused ConnectionRefusedError"
+    with pytest.raises(TimeoutError):
+        server.accept()
+
+
+def test_the_standard_library_still_works():
+    modules = ["json", "re", "math", "collections", "itertools", "functools", "typing", "heapq", "string",
+               "ctypes", "decimal", "hashlib", "datetime", "random", "subprocess", "locale"]
+    result = run(f"""
+        import importlib, os, sys
+        for name in {modules!r}:
+            importlib.import_module(name)
+        import hashlib, json, random
+        print(json.dumps([hashlib.sha256(b"x").hexdigest()[:8], len(os.urandom(4)), random.random() < 1,
+                          sys.getfilesystemencoding()]))
+    """)
+    assert result.status == "passed", result.stderr_tail
+    assert json.loads(result.stdout_tail) == ["2d711642", 4, True, "utf-8"]
 
 
 def test_hostile_calls_are_refused(layers, monkeypatch):
