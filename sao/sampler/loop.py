@@ -89,6 +89,10 @@ class Sampler:
     def run(self, max_tasks: int | None = None) -> dict:
         """Loop until stopped (SIGTERM/SIGINT) or `max_tasks` tasks are handled.
 
+        A stop waits for the current turn at most: live episodes are abandoned with their task
+        offsets uncommitted, so the group rolls those tasks out again (here after a restart, or
+        on another sampler after the rebalance).
+
         Continuous batching: up to `sampler.rollout_batch` episodes run side by side, one turn of
         each per batched generation, and a slot is refilled with a new task as soon as its
         episode ends. A new policy version is loaded only when no episode is live (admission
@@ -99,7 +103,7 @@ class Sampler:
         live: list[tuple[LiveEpisode, object]] = []  # (episode, its task message)
         run_started = time.perf_counter()
         try:
-            while live or (not self.stopping and (max_tasks is None or admitted < max_tasks)):
+            while not self.stopping and (live or max_tasks is None or admitted < max_tasks):
                 idle_from = None if live else time.perf_counter()
                 self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the loop
                 self._follow_policy(reload_now=not live)
@@ -129,6 +133,9 @@ class Sampler:
                     self.counters["idle_s"] += time.perf_counter() - idle_from
                 self.counters["run_s"] = time.perf_counter() - run_started
                 self._write_status(live=live)
+            if live:
+                log.warning("stopped: %d live episode(s) abandoned, their tasks left uncommitted for the group to "
+                            "roll out again: %s", len(live), [episode.task.task_id for episode, _ in live])
             self.outbox.drain()
             self._commit()
         except BrokerGone as gone:

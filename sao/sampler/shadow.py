@@ -28,21 +28,25 @@ log = logging.getLogger(__name__)
 def serve(config: SaoConfig, run_dir: Path, poll_s: float = 0.2) -> None:
     run_dir = RunDir(run_dir)
     parent = os.getppid()
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGTERM, _exit_now)
     tasks = validation_tasks(config)
     # First try only: what the run's headline measures, at half the cost of an episode with a retry.
     first_try = config.model_copy(update={"env": config.env.model_copy(update={"max_turns": 1})})
     scorer = Scorer(first_try, run_dir.root, threads=1, slots=len(tasks))
     log.info("shadow scorer ready: %d validation tasks", len(tasks))
     done: set[int] = set()
-    while not stopping and os.getppid() == parent:
+    while os.getppid() == parent:
         version = _requested(run_dir)
         if version is None or version in done:
             time.sleep(poll_s)
             continue
         _write(run_dir, version, _score(scorer, version, tasks))
         done.add(version)
+
+
+def _exit_now(*_: object) -> None:
+    """SIGTERM ends the scorer at once, mid-score too: its score files are written whole or not at all."""
+    raise SystemExit(0)
 
 
 def _requested(run_dir: RunDir) -> int | None:
