@@ -1,25 +1,26 @@
-"""The wire format: typed messages that cross process boundaries, and their msgpack codec.
+"""The wire contract: typed messages that cross process boundaries, their fields and their checks.
 
 Every message is a msgpack map with `schema` (major version) and `kind`. Arrays travel as
 `{"dtype", "shape", "data"}` with little-endian raw bytes, so any reader maps them with
 `numpy.frombuffer` without element-by-element copies. A trajectory's steps travel as columns:
 every token id of every step in one array, every log-prob in one, and per-step lengths and
 scalars as lists, so a message holds a handful of arrays however many turns it has. Nothing
-here imports torch, and nothing is ever pickled. `docs/wire-format.md` documents the same
-format for non-sao readers.
+here imports torch, and nothing is ever pickled. `sao/codec.py` writes the bytes (large arrays
+spliced in place); `docs/wire-format.md` documents the same format for non-sao readers.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
+
+from sao import codec
 
 # 2: a trajectory's steps as columns (one token buffer, one log-prob buffer) instead of three arrays per step.
 SCHEMA_VERSION = 2
@@ -62,41 +63,6 @@ def pack_array(array: np.ndarray, dtype: type) -> dict[str, Any]:
     """Encode an array as little-endian raw bytes with its dtype and shape."""
     arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
     return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
-
-
-class _Joined:
-    """Arrays that travel as the data of one packed array, laid end to end only as `encode` writes the message.
-
-    Each is copied once, straight into the message: no concatenated array and no growing pack buffer. For large
-    messages the page faults of those fresh allocations cost more than the copying (measured:
-    benchmarks/README.md).
-    """
-
-    __slots__ = ("arrays", "nbytes")
-
-    def __init__(self, arrays: list[np.ndarray], nbytes: int) -> None:
-        self.arrays = arrays
-        self.nbytes = nbytes
-
-
-class _Spliced(dict):
-    """A map with a `_Joined` inside, which `encode` writes key by key (any other map msgpack packs whole)."""
-
-
-# Below this many bytes, the arrays are concatenated in one numpy call and msgpack packs the message in one call:
-# cheaper for small buffers than a step of Python per array.
-_SPLICE_BYTES = 64 * 1024
-
-
-def _pack_joined(arrays: list[np.ndarray], dtype: type) -> dict[str, Any]:
-    """`pack_array` of 1-d arrays laid end to end (a `_Spliced` map around a `_Joined` when they are large)."""
-    string, itemsize, little = _LITTLE_ENDIAN[dtype]
-    count = sum(map(len, arrays))
-    if count * itemsize < _SPLICE_BYTES:
-        joined = np.concatenate(arrays, dtype=little, casting="unsafe") if arrays else np.zeros(0, little)
-        return {"dtype": string, "shape": [count], "data": memoryview(joined)}  # msgpack copies it from there
-    arrays = [np.ascontiguousarray(array, dtype=little) for array in arrays]
-    return _Spliced(dtype=string, shape=[count], data=_Joined(arrays, count * itemsize))
 
 
 def unpack_array(obj: Any, field_name: str, dtype: type, ndim: int) -> np.ndarray:
@@ -249,11 +215,10 @@ def _steps_to_wire(steps: list[Step]) -> dict[str, Any]:
         "rewards": [float(step.reward) for step in steps],
         "done": [bool(step.done) for step in steps],
         "memory_counts": [int(step.memory_count) for step in steps],
-        "token_ids": _pack_joined(ids, np.int32),
-        "behaviour_logprobs": _pack_joined([step.behaviour_logprobs for step in steps], np.float32),
+        "token_ids": codec.joined_array(ids, np.int32),
+        "behaviour_logprobs": codec.joined_array([step.behaviour_logprobs for step in steps], np.float32),
     }
-    spliced = type(columns["token_ids"]) is _Spliced or type(columns["behaviour_logprobs"]) is _Spliced
-    return _Spliced(columns) if spliced else columns
+    return codec.spliced_map(columns)
 
 
 def _step_list(columns: dict, name: str, count: int | None) -> list:
@@ -363,7 +328,7 @@ class Trajectory:
         return np.concatenate([step.behaviour_logprobs for step in self.steps] or [np.zeros(0, np.float32)])
 
     def to_wire(self) -> dict[str, Any]:
-        """The wire map, for `encode` (large step buffers are `_Joined` arrays, which only it writes)."""
+        """The wire map, for `encode` (large step buffers are spliced: only `sao.codec.packb` writes them)."""
         return {
             "trajectory_id": self.trajectory_id, "task_id": self.task_id, "env": self.env,
             "sampler_id": self.sampler_id, "behaviour_version": self.behaviour_version,
@@ -450,29 +415,7 @@ def encode(message: Task | Trajectory | PolicyAnnouncement) -> bytes:
     body = message.to_wire()
     body["schema"] = SCHEMA_VERSION
     body["kind"] = _KIND_OF[type(message)]
-    if _Spliced not in map(type, body.values()):
-        return msgpack.packb(body, use_bin_type=True)
-    packer = msgpack.Packer(use_bin_type=True, autoreset=False, buf_size=16 * 1024)
-    parts: list[Any] = []
-    _write(_Spliced(body), packer, parts)
-    parts.append(packer.bytes())
-    return b"".join(parts)  # the one allocation of the message's size
-
-
-def _write(value: Any, packer: msgpack.Packer, parts: list[Any]) -> None:
-    """Pack `value` into `packer`, a `_Spliced` key by key; at a `_Joined`, move what is packed to `parts`, then
-    its arrays."""
-    if type(value) is _Spliced:
-        packer.pack_map_header(len(value))
-        for key, item in value.items():
-            packer.pack(key)
-            _write(item, packer, parts)
-    elif type(value) is _Joined:
-        # msgpack's bin 32 header (0xc6, big-endian length) is valid for any length; readers need no other.
-        parts += (packer.bytes(), struct.pack(">BI", 0xC6, value.nbytes), *value.arrays)
-        packer.reset()
-    else:
-        packer.pack(value)
+    return codec.packb(body)
 
 
 def decode(data: bytes | None, expected: type[Task] | type[Trajectory] | type[PolicyAnnouncement]):

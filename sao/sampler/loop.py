@@ -34,6 +34,7 @@ from sao.policy.weights import (
     announced_weights_path,
     read_weights_into,
 )
+from sao.sampler.admission import Admission
 from sao.sampler.offsets import OffsetTracker
 from sao.sampler.outbox import Outbox
 from sao.sampler.rollout import LiveEpisode, Roller
@@ -83,7 +84,7 @@ class Sampler:
         self.tasks.subscribe([config.topics.tasks], on_assign=self._assigned, on_revoke=self._revoked)
         self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live
-        self.held: list[tuple[Task, object]] = []  # taken, not started: released for a version not loaded yet
+        self.admission = Admission(config.sampler.rollout_batch)  # `run` sets its max_tasks
         self.stopping = False
 
     def run(self, max_tasks: int | None = None) -> dict:
@@ -99,24 +100,15 @@ class Sampler:
         pauses until then), so every trajectory comes from one behaviour version.
         """
         signal.signal(signal.SIGTERM, self._stop)
-        admitted = 0
+        self.admission.max_tasks = max_tasks
         live: list[tuple[LiveEpisode, object]] = []  # (episode, its task message)
         run_started = time.perf_counter()
         try:
-            while not self.stopping and (live or max_tasks is None or admitted < max_tasks):
+            while not self.stopping and (live or self.admission.is_open(self.stopping)):
                 idle_from = None if live else time.perf_counter()
                 self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the loop
                 self._follow_policy(reload_now=not live)
-                free = self.config.sampler.rollout_batch - len(live)
-                if max_tasks is not None:
-                    free = min(free, max_tasks - admitted)
-                if free > 0 and not self.stopping and self.pending is None and not self.held:
-                    taken, tasks = self._take(free, wait=not live)
-                    admitted += taken
-                    if tasks and not live:
-                        # A version announced while this sampler waited for tasks is used for them.
-                        self._follow_policy(reload_now=True)
-                    self.held += tasks
+                self._admit(live)
                 live += self._start(self._ready(live))
                 if live and idle_from is not None:  # idle until this iteration's tasks started
                     self.counters["idle_s"] += time.perf_counter() - idle_from
@@ -156,11 +148,22 @@ class Sampler:
     def _in_flight(self, live: list[tuple[LiveEpisode, object]]) -> str:
         """What this sampler held: episodes whose task offsets are uncommitted, messages not acknowledged."""
         return (f"{len(live)} live episode(s), tasks {[episode.task.task_id for episode, _ in live]} (their offsets "
-                f"are not committed); {len(self.held)} task(s) held for a policy version, not started; "
+                f"are not committed); {len(self.admission.held)} task(s) held for a policy version, not started; "
                 f"unacknowledged messages (topic, key): {self.producer.unacknowledged()}")
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
+
+    def _admit(self, live: list[tuple[LiveEpisode, object]]) -> None:
+        """Take as many tasks as admission has room for; they are held until `_ready` starts them."""
+        room = self.admission.room(len(live), self.stopping, version_pending=self.pending is not None)
+        if not room:
+            return
+        taken, tasks = self._take(room, wait=not live)
+        if tasks and not live:
+            # A version announced while this sampler waited for tasks is used for them.
+            self._follow_policy(reload_now=True)
+        self.admission.took(taken, tasks)
 
     def _take(self, count: int, wait: bool) -> tuple[int, list[tuple[Task, object]]]:
         """Up to `count` task messages: (how many were taken, the decodable tasks with their message)."""
@@ -205,19 +208,15 @@ class Sampler:
         once no episode is live, the sampler waits for that version, since the tasks can arrive
         before their announcement does. A version that cannot come fails its tasks (dead letters).
         """
-        if self.held and not live:
-            for version in sorted({task.policy_version for task, _ in self.held}):
-                problem = self._await_version(version)
-                if problem is None:
-                    continue
-                for task, msg in [(task, msg) for task, msg in self.held if task.policy_version == version]:
-                    self._dead_letter(msg, "version-not-loaded", f"task {task.task_id}: policy v{version} {problem}; "
-                                                                 f"{self.sampler_id} has v{self.policy_version}")
-                    self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
-                    self.held.remove((task, msg))
-        ready = [(task, msg) for task, msg in self.held if task.policy_version <= self.policy_version]
-        self.held = [(task, msg) for task, msg in self.held if task.policy_version > self.policy_version]
-        return ready
+        for version in self.admission.versions_to_await(len(live), self.policy_version):
+            problem = self._await_version(version)
+            if problem is None:
+                continue
+            for task, msg in self.admission.give_up(version):
+                self._dead_letter(msg, "version-not-loaded", f"task {task.task_id}: policy v{version} {problem}; "
+                                                             f"{self.sampler_id} has v{self.policy_version}")
+                self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
+        return self.admission.release(self.policy_version)
 
     def _await_version(self, version: int) -> str | None:
         """Load `version` (or a newer one); None once loaded, else why it cannot be (said loudly).

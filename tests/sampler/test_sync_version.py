@@ -36,7 +36,7 @@ def _sampler(bootstrap: str, prefix: str, tiny_config, tmp_path, version_wait_s:
 def _announce_once_held(sampler: Sampler, bootstrap: str, version: int, run_dir) -> None:
     """Publish `version` only after the sampler has taken (and is holding) the task released for it."""
     deadline = time.monotonic() + 60
-    while not sampler.held and time.monotonic() < deadline:
+    while not sampler.admission.held and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)  # the sampler is now waiting, on the old version
     state = unique_state_dict(sampler.policy.state_dict())
