@@ -217,15 +217,9 @@ def test_sysv_shared_memory_stays_in_the_sandbox(layers):
     assert key not in host_keys
 
 
-@pytest.fixture
-def host_socket_in_run():
-    """A listening UNIX socket in the host's /run, as a daemon's would be."""
-    directory = Path("/run") / f"sao-test-{secrets.token_hex(4)}"
-    try:
-        directory.mkdir(mode=0o755)
-    except OSError as err:
-        pytest.skip(f"cannot make a directory in /run here: {err}")
-    path = directory / "daemon.sock"
+def _listening_socket(directory: Path, name: str):
+    """Yields (server, path) of a UNIX socket anyone on the host may connect to; removes it and `directory` after."""
+    path = directory / name
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
             server.bind(str(path))
@@ -236,6 +230,17 @@ def host_socket_in_run():
     finally:
         path.unlink(missing_ok=True)
         directory.rmdir()
+
+
+@pytest.fixture
+def host_socket_in_run():
+    """A listening UNIX socket in the host's /run, as a daemon's would be."""
+    directory = Path("/run") / f"sao-test-{secrets.token_hex(4)}"
+    try:
+        directory.mkdir(mode=0o755)
+    except OSError as err:
+        pytest.skip(f"cannot make a directory in /run here: {err}")
+    yield from _listening_socket(directory, "daemon.sock")
 
 
 def test_host_unix_sockets_in_run_are_out_of_sight(layers, host_socket_in_run):
@@ -290,17 +295,8 @@ def socket_in_the_checkout():
     """A listening UNIX socket in a directory of the checkout, as a hostile user found one."""
     directory = REPO / f".sao-test-{secrets.token_hex(4)}"
     directory.mkdir(mode=0o755)
-    path = directory / "s.sock"
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
-            server.bind(str(path))
-            os.chmod(path, 0o777)  # anyone on the host may connect: only the sandbox's view stops it
-            server.listen()
-            server.settimeout(0.5)
-            yield server, str(path)
-    finally:
-        path.unlink(missing_ok=True)
-        directory.rmdir()
+    for server, path in _listening_socket(directory, "s.sock"):
+        yield server, str(path)
 
 
 @pytest.fixture
