@@ -374,8 +374,12 @@ class RunConfig(Section):
         None, ge=1, description="Backpressure: task attempts (trajectories to come; grpo sends each task group_size "
                                 "times) fed but not yet trained on, at most; unset = twice trainer.batch_size, "
                                 "grpo one batch. run.mode = sync ignores it: one batch at a time.")
-    timeout_s: float = Field(1500, gt=0, description="Abort the run after this many seconds (the training part; "
-                                                     "the held-out evaluation after it is not counted).")
+    timeout_s: float | None = Field(None, gt=0, description="Abort the run after this many seconds of training (the "
+                                                            "held-out evaluation after it is not counted); unset = "
+                                                            "no limit but run.stall_timeout_s.")
+    stall_timeout_s: float = Field(1800, gt=0, description="Abort the run when nothing was produced, trained or "
+                                                           "dead-lettered, and no step or shadow score came, for this "
+                                                           "many seconds: a hang, however long a healthy run takes.")
     heldout_eval: bool = Field(
         True, description="After training, score the base model (v0) and the final version greedily on the same "
                           "held-out tasks (the env's eval split, never trained on); their paired first-try gain "

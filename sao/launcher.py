@@ -190,6 +190,7 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
     with Progress(*columns, console=console, transient=False) as progress:
         produced_bar = progress.add_task("produced", total=feeder.total, info="")
         trained_bar = progress.add_task("trained ", total=feeder.total, info="")
+        last_progress, progressed_at = None, time.time()
         while True:
             samplers = read_all_status(run_dir.status_dir, "sampler-")
             trainer = read_status(run_dir.status("trainer"))
@@ -209,12 +210,26 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
             for name, proc in processes.items():
                 if proc.poll() is not None and proc.returncode != 0:
                     raise RunFailed(f"{name} exited with code {proc.returncode}; see {run_dir.log(name)}")
-            if time.time() - started > config.run.timeout_s:
+            if config.run.timeout_s is not None and time.time() - started > config.run.timeout_s:
                 raise RunFailed(f"run exceeded run.timeout_s={config.run.timeout_s:.0f} s; see {run_dir.logs}")
+            now_progress = _progress(samplers, trainer)
+            if now_progress != last_progress:
+                last_progress, progressed_at = now_progress, time.time()
+            elif time.time() - progressed_at > config.run.stall_timeout_s:
+                raise RunFailed(f"nothing produced, trained or dead-lettered for {config.run.stall_timeout_s:.0f} s "
+                                f"(run.stall_timeout_s); see {run_dir.logs}")
             # sync: every batch waits for this loop to notice the step, so it looks more often.
             time.sleep(0.1 if feeder.sync else 0.5)
     if processes["trainer"].returncode != 0:
         raise RunFailed(f"trainer exited with code {processes['trainer'].returncode}; see {run_dir.log('trainer')}")
+
+
+def _progress(samplers: dict[str, dict], trainer: dict) -> tuple:
+    """What changes while a run does work: a stall is a run where none of it changes."""
+    sampler_work = sum(s.get("produced", 0) + s.get("dead_lettered", 0) for s in samplers.values())
+    scores = len((trainer.get("shadow") or {}).get("scores", {}))
+    return (sampler_work, trainer.get("trajectories_trained", 0), trainer.get("dead_lettered", 0),
+            trainer.get("step", 0), scores)
 
 
 def _run_cpus(config: SaoConfig) -> set[int]:
