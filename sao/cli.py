@@ -266,7 +266,7 @@ def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | polic
             limit: Annotated[int, typer.Option(help="Rows to show at most.")] = 20) -> None:
     """Show what a topic holds, decoded, as a table."""
     cfg = _config(config, set_)
-    from sao.inspect import inspect_topic
+    from sao.inspection import inspect_topic
 
     if what not in ("trajectories", "dlq", "policy"):
         console.print(f"[red]unknown topic kind {what!r}[/]: use trajectories, dlq or policy")

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 from rich.console import Console
 
-from sao.inspect import inspect_topic
+from sao.inspection import inspect_topic
 from sao.schema import PolicyAnnouncement, encode
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import deliver_and_wait, make_producer

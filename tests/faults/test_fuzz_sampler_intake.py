@@ -250,7 +250,7 @@ def test_every_hostile_announcement_is_refused_loaded_or_passed_over_and_only_so
     assert sampler.policy_version == announcer.newest and _loaded_file(sampler) == SOUND["sound-b"]
     # The trainer's resume reads the same topic, and so does `sao inspect`.
     assert 0 <= latest_announced_version(kafka_bootstrap, topic) <= MAX_POLICY_VERSION
-    from sao.inspect import inspect_topic
+    from sao.inspection import inspect_topic
 
     assert inspect_topic(sampler.config, kafka_bootstrap, "policy", limit=MESSAGES + 1).row_count == MESSAGES + 1
 
