@@ -36,6 +36,14 @@ def machine_cpu_ids() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def refuse_old_names(data: Any, section: str, old_names: dict[str, str]) -> Any:
+    """A config section's raw data, refused if it uses a knob's old name; each message says what to use."""
+    for old, instead in old_names.items():
+        if isinstance(data, dict) and old in data:
+            raise ValueError(f"{section}.{old} {instead}")
+    return data
+
+
 def available_cpu_ids(ids: list[int] | None) -> list[int] | None:
     """A cpu_affinity value: None, or distinct CPU ids of this machine (else os.sched_setaffinity fails)."""
     if ids is None:
@@ -252,7 +260,7 @@ class TrainerConfig(Section):
                             "wrong first answer does not share in the retry's reward. auto: own_reward for envs whose "
                             "turns are attempts at one question (arithmetic, humaneval), else reward_to_go. Each turn "
                             "has its own baseline. Measured: benchmarks/README.md.")
-    whiten_advantages: bool = Field(True, description="Scale advantages over the batch's turns to unit size (root mean "
+    scale_advantages: bool = Field(True, description="Scale advantages over the batch's turns to unit size (root mean "
                                                       "square 1; with center_advantages, mean 0 and std 1).")
     center_advantages: bool = Field(
         False, description="Also subtract the batch's mean advantage. Off: the baseline already centres each advantage, "
@@ -333,11 +341,10 @@ class TrainerConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _no_retired_knobs(cls, data: Any) -> Any:
-        retired = {"eval_every": "shadow_every", "eval_tasks": "shadow_tasks"}
-        for old, new in retired.items():
-            if isinstance(data, dict) and old in data:
-                raise ValueError(f"trainer.{old} is retired: shadow validation replaces it (trainer.{new})")
-        return data
+        return refuse_old_names(data, "trainer", {
+            "eval_every": "is retired: shadow validation replaces it (trainer.shadow_every)",
+            "eval_tasks": "is retired: shadow validation replaces it (trainer.shadow_tasks)",
+            "whiten_advantages": "is now trainer.scale_advantages (it scales; trainer.center_advantages centres)"})
 
     @model_validator(mode="after")
     def _threads_positive(self) -> TrainerConfig:
@@ -365,12 +372,12 @@ class RunConfig(Section):
                                                  "when all their trajectories are trained on.")
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
     mode: Literal["async", "sync"] = Field(
-        "async", description="async (SAO): samplers run ahead of the trainer, up to max_tasks_in_flight. sync: the "
+        "async", description="async (SAO): samplers run ahead of the trainer, up to max_trajectories_in_flight. sync: the "
                              "feeder releases one trainer batch, stamped with the newest published version; samplers "
                              "roll it out with that version (waiting for it if need be) and the next batch is released "
                              "only once the trainer has trained on it and published: staleness 0, no overlap. The "
                              "baseline of benchmarks/async_vs_sync.py.")
-    max_tasks_in_flight: int | None = Field(
+    max_trajectories_in_flight: int | None = Field(
         None, ge=1, description="Backpressure: task attempts (trajectories to come; grpo sends each task group_size "
                                 "times) fed but not yet trained on, at most; unset = twice trainer.batch_size, "
                                 "grpo one batch. run.mode = sync ignores it: one batch at a time.")
@@ -392,6 +399,13 @@ class RunConfig(Section):
     heldout_cache_dir: str | None = Field(
         "~/.cache/sao/heldout", description="Where the base model's held-out results are kept, per model, settings "
                                             "and tasks, so later runs do not score it again; unset = no cache.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_old_names(cls, data: Any) -> Any:
+        return refuse_old_names(data, "run", {
+            "max_tasks_in_flight": "is now run.max_trajectories_in_flight (it counts trajectories: grpo sends a task "
+                                   "group_size times)"})
 
 
 class MetricsConfig(Section):

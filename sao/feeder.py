@@ -34,7 +34,7 @@ def in_flight_cap(config: SaoConfig) -> int:
     GRPO: one batch, i.e. synchronous - the next batch is sampled only with the new policy.
     """
     default = config.trainer.batch_size * (1 if config.trainer.algorithm == "grpo" else 2)
-    return max(config.run.max_tasks_in_flight or default, attempts_per_task(config))
+    return max(config.run.max_trajectories_in_flight or default, attempts_per_task(config))
 
 
 def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int = 0, producer=None,

@@ -113,3 +113,12 @@ def test_trainer_threads_auto_shares_this_process_cpus_among_the_local_ranks(mon
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert trainer.threads() == max(1, cpus // 2)
     assert load_config(overrides=["trainer.torch_threads=3"], environ={}).trainer.threads() == 3
+
+
+@pytest.mark.parametrize("old, new", [("trainer.whiten_advantages=false", "trainer.scale_advantages"),
+                                      ("run.max_tasks_in_flight=4", "run.max_trajectories_in_flight"),
+                                      ("trainer.eval_every=2", "trainer.shadow_every")])
+def test_old_knob_names_are_refused_naming_the_new_one(old, new):
+    with pytest.raises(ConfigError, match=new.replace(".", r"\.")) as refused:
+        load_config(overrides=[old], environ={})
+    assert old.split("=")[0] in str(refused.value)

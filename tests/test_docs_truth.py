@@ -133,7 +133,7 @@ QUOTED_DEFAULTS = [
     ("samplers from 9710 up", "metrics.sampler_port", 9710),
     ("a running mean per prompt by default", "trainer.baseline_key", "prompt"),
     ("(`min(\u03c1, tis_clip)`)", "trainer.objective", "tis"),
-    ("scaled over the batch to unit root mean square but not centred", "trainer.whiten_advantages", True),
+    ("scaled over the batch to unit root mean square but not centred", "trainer.scale_advantages", True),
     ("scaled over the batch to unit root mean square but not centred", "trainer.center_advantages", False),
     ("its default, 1, weighs them all alike", "trainer.freshness_decay", 1.0),
 ]

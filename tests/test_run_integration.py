@@ -16,7 +16,7 @@ def test_sao_run_trains_through_kafka(tmp_path):
     tasks = 12
     command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", str(tasks),
                "--samplers", "2", "--run-dir", str(run_dir),
-               "--set", "trainer.batch_size=4", "--set", "run.max_tasks_in_flight=4",
+               "--set", "trainer.batch_size=4", "--set", "run.max_trajectories_in_flight=4",
                "--set", "policy.max_new_tokens=8", "--set", "run.timeout_s=400",
                # The end-of-run held-out comparison on a few tasks, its base-model cache in the test's folder.
                "--set", "run.heldout_cap=3", "--set", f"run.heldout_cache_dir=\"{tmp_path / 'heldout-cache'}\"",

@@ -57,7 +57,7 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     returns = [turn_returns(t, cfg.turn_credit) for t in batch]
     baselines = _group_means(batch, returns) if cfg.algorithm == "grpo" else baseline.values_for(batch, returns)
     advantages = [[g - b for g, b in zip(own, base)] for own, base in zip(returns, baselines)]
-    if cfg.whiten_advantages:
+    if cfg.scale_advantages:
         flat = whiten(torch.tensor([a for turns in advantages for a in turns]), cfg.center_advantages).tolist()
         advantages, start = [], 0
         for own in returns:

@@ -48,7 +48,7 @@ def _whitened_advantages(key: str, history: list[Trajectory], batch: list[Trajec
     """Classic whitening (centred), under which some baselines are known to cancel."""
     baseline = RewardBaseline(key=key, momentum=0.9)
     _train(baseline, history)
-    cfg = TrainerConfig(whiten_advantages=True, center_advantages=True)
+    cfg = TrainerConfig(scale_advantages=True, center_advantages=True)
     return flat(plan_batch(batch, baseline, cfg, policy_version=0).advantages)
 
 
@@ -84,18 +84,18 @@ def test_env_and_leave_one_out_baselines_change_nothing_once_whitened_and_centre
     # ...while unwhitened both do subtract something, so the equality above is not vacuous.
     env = RewardBaseline(key="env", momentum=0.9)
     _train(env, history)
-    unwhitened = flat(plan_batch(batch, env, TrainerConfig(whiten_advantages=False), policy_version=0).advantages)
+    unwhitened = flat(plan_batch(batch, env, TrainerConfig(scale_advantages=False), policy_version=0).advantages)
     assert unwhitened == pytest.approx([t.total_reward - 0.65 for t in batch])
 
 
 def test_leave_one_out_subtracts_the_other_trajectories_mean():
     baseline = RewardBaseline(key="leave_one_out")
     batch = [trajectory(1, 1.0), trajectory(2, 0.0), trajectory(3, 0.5)]
-    plan = plan_batch(batch, baseline, TrainerConfig(whiten_advantages=False), policy_version=0)
+    plan = plan_batch(batch, baseline, TrainerConfig(scale_advantages=False), policy_version=0)
     assert flat(plan.advantages) == pytest.approx([1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5])
     record_rewards(plan, baseline)
     # A batch of one has no others: it falls back to the env's running mean.
-    alone = plan_batch([trajectory(4, 1.0)], baseline, TrainerConfig(whiten_advantages=False), policy_version=0)
+    alone = plan_batch([trajectory(4, 1.0)], baseline, TrainerConfig(scale_advantages=False), policy_version=0)
     assert flat(alone.advantages) == pytest.approx([0.5])
 
 

@@ -24,7 +24,7 @@ def trajectory(task_id: str, reward: float, attempt: int = 0, version: int = 0, 
 
 def test_grpo_uses_group_means():
     batch = [trajectory("a", 1.0, 0), trajectory("a", 0.0, 1), trajectory("b", 1.0, 0), trajectory("b", 1.0, 1)]
-    cfg = TrainerConfig(algorithm="grpo", group_size=2, batch_size=4, whiten_advantages=False)
+    cfg = TrainerConfig(algorithm="grpo", group_size=2, batch_size=4, scale_advantages=False)
     plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=3)
     assert flat(plan.advantages) == pytest.approx([0.5, -0.5, 0.0, 0.0])
     assert plan.staleness == [3, 3, 3, 3]
@@ -33,7 +33,7 @@ def test_grpo_uses_group_means():
 def test_sao_uses_the_running_baseline_and_updates_it_only_once_the_step_is_applied():
     baseline = RewardBaseline(key="env", momentum=0.5)
     baseline.update(*one_turn(trajectory("warmup", 0.5)))
-    cfg = TrainerConfig(whiten_advantages=False)
+    cfg = TrainerConfig(scale_advantages=False)
     plan = plan_batch([trajectory("a", 1.0), trajectory("b", 0.0)], baseline, cfg, policy_version=0)
     assert flat(plan.advantages) == pytest.approx([0.5, -0.5])
     assert baseline.value(trajectory("c", 0.0)) == 0.5  # planning leaves it alone: the step may yet be skipped
@@ -92,7 +92,7 @@ def test_an_all_failed_batch_reinforces_no_failure_unless_the_batch_mean_is_subt
     # reinforced actions; scaling alone keeps every advantage's sign.
     baseline = RewardBaseline(key="env", momentum=0.5)
     history = [trajectory("h1", 1.0), retry("h2", 0.5), retry("h3", 0.5)]
-    cfg = TrainerConfig(turn_credit="own_reward", whiten_advantages=False)
+    cfg = TrainerConfig(turn_credit="own_reward", scale_advantages=False)
     record_rewards(plan_batch(history, baseline, cfg, 0), baseline)
     failed = [trajectory("a", 0.0), retry("b", 0.0), retry("c", 0.0)]
     scaled = flat(plan_batch(failed, baseline, TrainerConfig(turn_credit="own_reward"), 0).advantages)
@@ -104,7 +104,7 @@ def test_an_all_failed_batch_reinforces_no_failure_unless_the_batch_mean_is_subt
 
 def test_each_turn_has_its_own_running_baseline():
     baseline = RewardBaseline(key="prompt", momentum=0.5)
-    cfg = TrainerConfig(turn_credit="own_reward", whiten_advantages=False)
+    cfg = TrainerConfig(turn_credit="own_reward", scale_advantages=False)
     record_rewards(plan_batch([retry("a", 0.5), trajectory("b", 1.0)], baseline, cfg, 0), baseline)
     assert baseline.value(retry("z", 0.0), turn=0) == pytest.approx(0.5)  # first answers: 0 and 1
     assert baseline.value(retry("z", 0.0), turn=1) == pytest.approx(0.5)  # second answers: one, worth 0.5
@@ -116,7 +116,7 @@ def test_each_turn_has_its_own_running_baseline():
 def test_grpo_compares_each_turn_with_the_group_attempts_that_reached_it():
     batch = [trajectory("a", 1.0, 0), retry("a", 0.5), retry("a", 0.0)]
     batch[1], batch[2] = replace(batch[1], trajectory_id="a#1"), replace(batch[2], trajectory_id="a#2")
-    cfg = TrainerConfig(algorithm="grpo", group_size=3, batch_size=3, whiten_advantages=False, turn_credit="own_reward")
+    cfg = TrainerConfig(algorithm="grpo", group_size=3, batch_size=3, scale_advantages=False, turn_credit="own_reward")
     advantages = plan_batch(batch, RewardBaseline(), cfg, 0).advantages
     assert advantages[0] == pytest.approx([1.0 - 1 / 3])
     assert advantages[1] == pytest.approx([-1 / 3, 0.25]) and advantages[2] == pytest.approx([-1 / 3, -0.25])
@@ -144,7 +144,7 @@ def test_value_head_learns_returns_and_sets_advantages(tiny_config):
             return self.module(*args, **kwargs)
 
     policy = build_policy(tiny_config.policy, 8, value_head=True)
-    cfg = TrainerConfig(value_head=True, value_coef=1.0, whiten_advantages=False)
+    cfg = TrainerConfig(value_head=True, value_coef=1.0, scale_advantages=False)
     batch = [trajectory("a", 1.0, prompt_token=100), trajectory("b", 0.0, prompt_token=200)]  # different states
     plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=0)
     optimizer = torch.optim.Adam(policy.value_head.parameters(), lr=0.05)
@@ -205,7 +205,7 @@ def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
     results = []
     for buckets in (1, 3):
         model = copy.deepcopy(policy)
-        cfg = TrainerConfig(length_buckets=buckets, whiten_advantages=False, **knobs)
+        cfg = TrainerConfig(length_buckets=buckets, scale_advantages=False, **knobs)
         plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=0)
         loss, stats = rank_loss(Engine(model), plan, all_rows(plan, list(range(len(batch)))), len(batch), cfg, 8)
         loss.backward()
