@@ -137,7 +137,8 @@ def shadow_figures(trainer: dict[str, Any]) -> dict[str, Any]:
     board = trainer.get("shadow") or {}
     return {"shadow_scores": board.get("scores"), "shadow_best": board.get("best"),
             "shadow_drops": len(board.get("drops") or []), "rollbacks": board.get("rollbacks") or [],
-            "shadow_scorer_cpu_s": board.get("scorer_cpu_s"), "shadow_snapshot_s": board.get("snapshot_s")}
+            "shadow_scorer_cpu_s": board.get("scorer_cpu_s"), "shadow_scorer_peak_rss_mb": board.get("scorer_peak_rss_mb"),
+            "shadow_snapshot_s": board.get("snapshot_s")}
 
 
 ROLES = ("trainer", "samplers", "broker", "launcher")

@@ -20,7 +20,7 @@ from pathlib import Path
 from sao.config import SaoConfig
 from sao.run_dir import RunDir
 from sao.sampler.evaluation import Scorer, base_model_scores, validation_tasks
-from sao.status import write_status
+from sao.status import process_usage, write_status
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ def _score(scorer: Scorer, version: int, tasks) -> dict:
              sum(s["first_try"] for s in scores.values()) / max(len(scores), 1), len(scores), seconds)
     # The scorer's CPU seconds so far (model load included): what shadow validation has cost the run.
     return {"version": version, "successes": {t: s["first_try"] for t, s in scores.items()},
-            "env_failures": len(failures), "seconds": seconds, "cpu_s": time.process_time()}
+            "env_failures": len(failures), "seconds": seconds, "cpu_s": time.process_time(),
+            "peak_rss_mb": process_usage()["peak_rss_mb"]}
 
 
 def _write(run_dir: RunDir, version: int, result: dict) -> None:

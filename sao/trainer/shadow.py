@@ -66,6 +66,7 @@ class ShadowBoard:
     scores: dict[int, ShadowScore] = field(default_factory=dict)
     best: int | None = None
     scorer_cpu_s: float = 0.0  # the scorer process's CPU seconds, as of its latest score
+    scorer_peak_rss_mb: float | None = None  # the scorer process's resident memory at its highest, likewise
     snapshot_s: float = 0.0  # the trainer's seconds spent snapshotting the optimizer for it
     drops: list[Drop] = field(default_factory=list)
     rollbacks: list[dict] = field(default_factory=list)
@@ -103,7 +104,8 @@ class ShadowBoard:
         best = self.scores[self.best] if self.best is not None else None
         return {"margin": self.margin, "scores": {str(v): figures(s) for v, s in sorted(self.scores.items())},
                 "best": {"version": best.version, **figures(best)} if best else None,
-                "scorer_cpu_s": self.scorer_cpu_s, "snapshot_s": self.snapshot_s,
+                "scorer_cpu_s": self.scorer_cpu_s, "scorer_peak_rss_mb": self.scorer_peak_rss_mb,
+                "snapshot_s": self.snapshot_s,
                 "drops": [asdict(drop) for drop in self.drops], "rollbacks": self.rollbacks}
 
 
@@ -143,6 +145,7 @@ class ShadowScorerProcess:
         run_dir.shadow_request.unlink(missing_ok=True)
         self.pending: int | None = None  # the version asked for and not yet scored
         self.cpu_s = 0.0  # the scorer's CPU seconds, as of its latest result
+        self.peak_rss_mb: float | None = None  # its resident memory at its highest, likewise
         self.failed: str | None = None  # why the scorer is gone: nothing more is asked of it, training goes on
         log_path = run_dir.log("shadow")
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +176,7 @@ class ShadowScorerProcess:
         result = json.loads(path.read_text())
         self.pending = None
         self.cpu_s = result.get("cpu_s", self.cpu_s)
+        self.peak_rss_mb = result.get("peak_rss_mb", self.peak_rss_mb)
         if result.get("error"):
             log.warning("shadow scorer could not score v%d: %s", result["version"], result["error"])
             return None

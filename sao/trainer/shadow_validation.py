@@ -139,6 +139,7 @@ class ShadowValidation:
 
     def _add(self, score: ShadowScore) -> Drop | None:
         self.board.scorer_cpu_s = self.scorer.cpu_s
+        self.board.scorer_peak_rss_mb = self.scorer.peak_rss_mb
         drop = self.board.add(score)
         metrics.record_shadow_score(score.version, score.mean, self.board.best)
         log.info("shadow: v%d first-try success %.3f ± %.3f (n %d); best v%d", score.version, score.mean,
