@@ -70,31 +70,23 @@ def best_version(run_dir: Path) -> int:
     return int(best["version"])
 
 
-def _eval_split(config: SaoConfig) -> tuple[list[Task], list[Task]]:
-    """(the final comparison's tasks, shadow validation's slice): distinct eval tasks, disjoint.
-
-    The final comparison takes the first `run.heldout_cap`, validation up to `trainer.shadow_tasks`
-    after them, so picking the best version never sees the tasks it is then judged on. A split too
-    small for both (humaneval's) is shared: validation keeps the last half of it at most, the
-    final comparison the rest. With shadow validation off, the comparison may use the whole split.
+def validation_tasks(config: SaoConfig) -> list[Task]:
+    """Shadow validation's slice of the eval split: up to `trainer.shadow_tasks` distinct tasks after the
+    first `run.heldout_cap`, so picking the best version never sees the tasks it is then judged on. A
+    split too small for both (humaneval's) is shared: validation takes at most its last half.
     """
     cap, wanted = config.run.heldout_cap, config.trainer.shadow_tasks
     distinct = _distinct_eval_tasks(config, cap + wanted)
-    reserved = min(wanted, max(len(distinct) - cap, len(distinct) // 2)) if config.trainer.shadow_every else 0
-    kept = len(distinct) - reserved
-    return distinct[:kept], distinct[kept:]
+    reserved = min(wanted, max(len(distinct) - cap, len(distinct) // 2))
+    return distinct[len(distinct) - reserved:]
 
 
 def heldout_tasks(config: SaoConfig, cap: int) -> list[Task]:
-    """Up to `cap` distinct eval tasks, none of shadow validation's: what the final comparison scores."""
-    validation = {task.task_id for task in validation_tasks(config)}
+    """Up to `cap` distinct eval tasks: what the final comparison scores. With shadow validation on,
+    none of its slice; off, the comparison may use the whole split."""
+    validation = {task.task_id for task in validation_tasks(config)} if config.trainer.shadow_every else set()
     return [task for task in _distinct_eval_tasks(config, cap + len(validation))
             if task.task_id not in validation][:cap]
-
-
-def validation_tasks(config: SaoConfig) -> list[Task]:
-    """Shadow validation's slice of the eval split (`_eval_split`)."""
-    return _eval_split(config)[1]
 
 
 class Scorer:
