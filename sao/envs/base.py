@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sao.config import EnvConfig
 from sao.schema import Task
+
+logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")  # `eval` is held out: disjoint from what the feeder sends for training
 
@@ -16,6 +19,13 @@ def check_split(env_name: str, split: str) -> None:
     otherwise hand out training tasks under another name."""
     if split not in SPLITS:
         raise ValueError(f"{env_name} has the splits {' and '.join(map(repr, SPLITS))}, not {split!r}")
+
+
+def warn_if_turns_cut(config: EnvConfig, option: str, turns: int) -> None:
+    """Warn at start when env.max_turns would stop every episode before the `turns` its `option` asks for."""
+    if config.max_turns < turns:
+        logger.warning("env.max_turns=%d is below %s's %s=%d: a sampler stops each episode after %d turns; set "
+                       "env.max_turns to %d", config.max_turns, config.name, option, turns, config.max_turns, turns)
 
 
 class InvalidTask(ValueError):

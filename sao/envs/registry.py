@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 BUILTIN_ENVS = {
     "arithmetic": "sao.envs.arithmetic:ArithmeticEnv",
     "humaneval": "sao.envs.humaneval:HumanEvalEnv",
+    "recall": "sao.envs.recall:RecallEnv",
     "textworld": "sao.envs.textworld:TextWorldEnv",
 }
 

@@ -16,17 +16,15 @@ the sampler stops an episode after `env.max_turns` turns.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from sao.config import EnvConfig
-from sao.envs.base import Feedback, GenerationDefaults, InvalidTask, check_split
+from sao.envs.base import Feedback, GenerationDefaults, InvalidTask, check_split, warn_if_turns_cut
 from sao.schema import Task
 
-logger = logging.getLogger(__name__)
 Cell = tuple[int, int]
 
 MOVES = {"north": (0, -1), "south": (0, 1), "east": (1, 0), "west": (-1, 0)}
@@ -210,11 +208,7 @@ class TextWorldEnv:
 
     @classmethod
     def from_config(cls, config: EnvConfig) -> TextWorldEnv:
-        max_steps = task_options(dict(config.options))["max_steps"]  # fails at start on a wrong option
-        if config.max_turns < max_steps:
-            logger.warning("env.max_turns=%d is below textworld's max_steps=%d: a sampler stops each episode "
-                           "after %d turns; set env.max_turns to %d", config.max_turns, max_steps,
-                           config.max_turns, max_steps)
+        warn_if_turns_cut(config, "max_steps", task_options(dict(config.options))["max_steps"])  # checks options
         return cls()
 
     @classmethod

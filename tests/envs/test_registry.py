@@ -13,6 +13,7 @@ CASES = {
     "arithmetic": (EnvConfig(), "I do not know."),
     "humaneval": (EnvConfig(name="humaneval", max_turns=2, sandbox=FAST), "```python\nreturn None\n```"),
     "textworld": (EnvConfig(name="textworld", max_turns=5, options={"size": 5, "max_steps": 5}), "look"),
+    "recall": (EnvConfig(name="recall", max_turns=16), "ok"),
 }
 
 
