@@ -37,7 +37,8 @@ def _timed(action):
 
 def measure(base_path: Path, next_path: Path) -> dict:
     base, upcoming = load_file(str(base_path)), load_file(str(next_path))
-    (base_bf16, next_bf16), cast_s = _timed(lambda: (cast_state(base, torch.bfloat16), cast_state(upcoming, torch.bfloat16)))
+    (base_bf16, next_bf16), cast_s = _timed(lambda: (cast_state(base, torch.bfloat16),
+                                                     cast_state(upcoming, torch.bfloat16)))
     changed = sum(int((base_bf16[n].view(torch.int16) != next_bf16[n].view(torch.int16)).sum()) for n in next_bf16)
     total = sum(t.numel() for t in next_bf16.values())
     with tempfile.TemporaryDirectory() as folder:
@@ -58,8 +59,8 @@ def measure(base_path: Path, next_path: Path) -> dict:
             "bf16_delta_zlib1_bytes": compressed,
             "bf16_values": total,
             "bf16_changed_share": changed / total,
-            "bit_exact": check == result_sha256 and all(torch.equal(held[n].view(torch.int16), next_bf16[n].view(torch.int16))
-                                                       for n in held),
+            "bit_exact": check == result_sha256 and all(
+                torch.equal(held[n].view(torch.int16), next_bf16[n].view(torch.int16)) for n in held),
             "seconds": {"cast_both": cast_s, "write_bf16_snapshot": snapshot_s, "encode_and_write_delta": encode_s,
                         "state_sha256": hash_s, "sampler_read_and_check_delta": read_s, "sampler_apply": apply_s,
                         "sampler_state_sha256": check_s},

@@ -292,9 +292,10 @@ class TrainerConfig(Section):
                            "the sha256 of what it holds matches the delta's base, else re-syncs from the newest "
                            "snapshot. See docs/design.md, 'Where weights travel'.")
     snapshot_every: int = Field(
-        10, ge=1, description="With publish_deltas: publish a whole snapshot every this many versions (and the first "
-                              "version a trainer publishes), so a sampler that joins or loses the chain re-syncs "
-                              "from at most this many files.")
+        10, ge=1, le=100, description="With publish_deltas: publish a whole snapshot every this many versions (and the "
+                                      "first version a trainer publishes), so a sampler that joins or loses the chain "
+                                      "re-syncs from at most this many files (a sampler remembers the last 256 "
+                                      "announcements it read, so a chain fits in them).")
     shadow_every: int = Field(
         2, ge=0, description="Shadow validation: score a published version at most every this many versions, greedily "
                              "and first try only, on a fixed validation slice of the env's held-out split (disjoint "

@@ -75,7 +75,8 @@ class WeightSync:
                                   "base-mismatch")
         if announcement.base_sha256 != self.held_sha256:
             claim = (announcement.policy_version, announcement.sha256)
-            detail = f"its base sha256 {announcement.base_sha256} is not that of the v{self.version} held ({self.held_sha256})"
+            detail = (f"its base sha256 {announcement.base_sha256} is not that of the v{self.version} held "
+                      f"({self.held_sha256})")
             if claim in self._resynced_for:  # it did not fit a state fresh from the snapshot either: the delta is wrong
                 raise WeightsMismatch(detail, "base-sha256")
             self._resynced_for.add(claim)
@@ -86,7 +87,8 @@ class WeightSync:
         replaced = apply_changes(self.held, changes)
         if state_sha256(self.held) != announcement.state_sha256:
             apply_changes(self.held, replaced)
-            raise WeightsMismatch("applied to the held state it does not give the announced state_sha256", "result-sha256")
+            raise WeightsMismatch("applied to the held state it does not give the announced state_sha256",
+                                  "result-sha256")
         model = self.policy.state_dict()  # views of the parameters: writing into them changes the model
         apply_changes(model, changes)
         self.held_sha256 = announcement.state_sha256

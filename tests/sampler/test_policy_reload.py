@@ -411,7 +411,8 @@ def _forged_delta(path: Path, fault: str) -> None:
     tensors = load_file(str(path))
     name = next(key for key in sorted(tensors) if key.endswith("/values"))[:-len("/values")]
     if fault == "out-of-range":
-        tensors[name + "/gaps"] = torch.cat([tensors[name + "/gaps"][:-1], torch.tensor([0xFF, 0xFF, 0x7F], dtype=torch.uint8)])
+        beyond = torch.tensor([0xFF, 0xFF, 0x7F], dtype=torch.uint8)  # a last gap of 2^21 - 1
+        tensors[name + "/gaps"] = torch.cat([tensors[name + "/gaps"][:-1], beyond])
     else:
         tensors[name + "/values"][0] = float("nan")
     path.unlink()
@@ -448,7 +449,8 @@ def test_a_bad_delta_is_refused_and_the_sampler_resyncs_to_the_trainers_weights(
     elif fault in ("out-of-range", "non-finite"):
         _forged_delta(run_dir.weights_delta(2), fault)
         path = run_dir.weights_delta(2)
-        v2 = dataclasses.replace(v2, sha256=hashlib.sha256(path.read_bytes()).hexdigest(), num_bytes=path.stat().st_size)
+        v2 = dataclasses.replace(v2, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                 num_bytes=path.stat().st_size)
     order = [v1, v3, v2, v4, v5] if fault == "reordered" else [v1, v2, v3, v4, v5]
     for announcement in order[:3]:
         reload.send(encode(announcement))
