@@ -51,7 +51,14 @@ class WeightSync:
                                       f"v{chain[-1].base_version}, which this sampler has not got (refused, or never "
                                       "read); it waits for the next snapshot", "broken-chain")
             chain.append(base)
-        return chain[::-1]
+        chain.reverse()
+        # Checked on the announcements before any file is read: a chain that does not hold together would
+        # take the sampler back to its snapshot and stop there.
+        for base, delta in zip(chain, chain[1:]):
+            if not base.state_sha256 or delta.base_sha256 != base.state_sha256:
+                raise WeightsMismatch(f"policy v{delta.policy_version}'s base sha256 is not the state_sha256 announced "
+                                      f"for v{base.policy_version}", "base-sha256")
+        return chain
 
     def apply(self, announcement: PolicyAnnouncement, path: Path, max_bytes: int | None = None) -> None:
         """Bring the model to `announcement`'s version with its file (at most `max_bytes`); WeightsMismatch or
