@@ -10,6 +10,7 @@ back through the newest snapshot and the deltas after it.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,7 +55,7 @@ class WeightSync:
         chain.reverse()
         # Checked on the announcements before any file is read: a chain that does not hold together would
         # take the sampler back to its snapshot and stop there.
-        for base, delta in zip(chain, chain[1:]):
+        for base, delta in itertools.pairwise(chain):
             if not base.state_sha256 or delta.base_sha256 != base.state_sha256:
                 raise WeightsMismatch(f"policy v{delta.policy_version}'s base sha256 is not the state_sha256 announced "
                                       f"for v{base.policy_version}", "base-sha256")
