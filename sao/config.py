@@ -287,7 +287,23 @@ class TrainerConfig(Section):
     sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
     checkpoint_every: int = Field(100, ge=1, description="Save a DeepSpeed checkpoint + offsets every N steps.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: run forever).")
-    keep_versions: int = Field(3, ge=1, description="Published weight files kept on disk (shadow models for sao eval).")
+    keep_versions: int = Field(
+        3, ge=1, description="Published versions kept on disk (shadow models for sao eval), with the files their "
+                             "deltas rest on: the snapshot before each kept version and the deltas between.")
+    publish_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="The dtype of published weights (fp32 by default). bf16 halves a snapshot, and between "
+                            "two versions far fewer bf16 values change than fp32 ones, which is what publish_deltas "
+                            "sends; a sampler in fp32 then samples with the bf16-rounded weights.")
+    publish_deltas: bool = Field(
+        False, description="Publish each version as a sparse delta on the one before (the positions whose bits "
+                           "changed, and their new values) instead of whole; a sampler applies it in place once "
+                           "the sha256 of what it holds matches the delta's base, else re-syncs from the newest "
+                           "snapshot. See docs/design.md, 'Where weights travel'.")
+    snapshot_every: int = Field(
+        10, ge=1, le=100, description="With publish_deltas: publish a whole snapshot every this many versions (and the "
+                                      "first version a trainer publishes), so a sampler that joins or loses the chain "
+                                      "re-syncs from at most this many files (a sampler remembers the last 256 "
+                                      "announcements it read, so a chain fits in them).")
     shadow_every: int = Field(
         2, ge=0, description="Shadow validation: score a published version at most every this many versions, greedily "
                              "and first try only, on a fixed validation slice of the env's held-out split (disjoint "

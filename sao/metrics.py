@@ -53,6 +53,17 @@ SAMPLER_POLICY_VERSION = Gauge("sao_sampler_policy_version", "Policy version the
 SAMPLER_RELOAD_SECONDS = Histogram(
     "sao_sampler_policy_reload_seconds", "Time to read, verify and load a published policy version.",
     buckets=_SLOW_SECONDS)
+# Published files run from kilobytes (a small delta) to hundreds of megabytes (a snapshot).
+_FILE_BYTES = tuple(float(4**k * 1024) for k in range(12))
+SAMPLER_POLICY_BYTES = Counter(
+    "sao_sampler_policy_bytes_total", "Bytes of policy files a sampler read and applied, by kind (snapshot, delta).",
+    ["kind"])
+SAMPLER_POLICY_APPLY_SECONDS = Histogram(
+    "sao_sampler_policy_apply_seconds", "Time to read, check and apply one policy file, by kind (snapshot, delta).",
+    ["kind"], buckets=_SLOW_SECONDS)
+SAMPLER_POLICY_RESYNCS = Counter(
+    "sao_sampler_policy_resyncs_total", "Times a sampler dropped the weights it held from the delta chain "
+    "(a delta's base sha256 did not match them) and re-synced from a snapshot.")
 
 # --- compression (runs inside the samplers) -----------------------------------------------------
 COMPRESSION_STAGE_SECONDS = Histogram(
@@ -96,6 +107,9 @@ TRAINER_BUSY_FRACTION = Gauge(
     "sao_trainer_busy_fraction", "Share of the last step not spent waiting for data (1 = samplers keep up).")
 TRAINER_LAST_STEP = Gauge("sao_trainer_last_step_timestamp_seconds", "Unix time of the last optimizer step.")
 TRAINER_POLICY_VERSION = Gauge("sao_trainer_policy_version", "Latest policy version the trainer published.")
+TRAINER_POLICY_BYTES = Histogram(
+    "sao_trainer_policy_version_bytes", "Bytes of each published policy file, by kind (snapshot, delta).", ["kind"],
+    buckets=_FILE_BYTES)
 TRAINER_LOSS = Gauge("sao_trainer_loss", "Loss of the last step.")
 TRAINER_REWARD = Histogram("sao_trainer_reward", "Total reward of each trajectory trained on.", buckets=_REWARDS)
 TRAINER_ADVANTAGE = Gauge("sao_trainer_advantage", "Advantages of the last batch: stat=mean|std|min|max.", ["stat"])
@@ -245,6 +259,22 @@ def record_rollback() -> None:
 def record_policy_published(version: int) -> None:
     """The trainer announced policy `version`."""
     TRAINER_POLICY_VERSION.set(version)
+
+
+def record_policy_bytes(kind: str, num_bytes: int) -> None:
+    """The trainer published a policy file of `kind` (snapshot, delta) holding `num_bytes`."""
+    TRAINER_POLICY_BYTES.labels(kind=kind).observe(num_bytes)
+
+
+def record_policy_applied(kind: str, num_bytes: int, seconds: float) -> None:
+    """A sampler read, checked and applied a policy file of `kind` and `num_bytes` in `seconds`."""
+    SAMPLER_POLICY_BYTES.labels(kind=kind).inc(num_bytes)
+    SAMPLER_POLICY_APPLY_SECONDS.labels(kind=kind).observe(seconds)
+
+
+def record_policy_resync() -> None:
+    """A sampler dropped its place in the delta chain and will re-sync from a snapshot."""
+    SAMPLER_POLICY_RESYNCS.inc()
 
 
 def record_checkpoint(seconds: float) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _WEIGHTS_PREFIX = "policy-v"
+_DELTA_PREFIX = "delta-v"
 
 
 def _at(*parts: str) -> property:
@@ -74,13 +75,18 @@ class RunDir:
     def weights(self, version: int) -> Path:
         return self.policy_dir / f"{_WEIGHTS_PREFIX}{version:06d}.safetensors"
 
+    def weights_delta(self, version: int) -> Path:
+        """A version published as a sparse delta on an earlier one (sao/policy/deltas.py)."""
+        return self.policy_dir / f"{_DELTA_PREFIX}{version:06d}.safetensors"
+
     def weights_sidecar(self, version: int) -> Path:
         """The announcement's facts (sha256 above all) beside the file, for readers without Kafka."""
         return self.weights(version).with_suffix(".json")
 
     def kept_versions(self) -> list[int]:
-        """Versions whose weights are still on disk, oldest first."""
-        return sorted(int(p.stem[len(_WEIGHTS_PREFIX):]) for p in self.policy_dir.glob(f"{_WEIGHTS_PREFIX}*.safetensors"))
+        """Versions whose weights (whole or a delta) are still on disk, oldest first."""
+        return sorted({int(p.stem[len(prefix):]) for prefix in (_WEIGHTS_PREFIX, _DELTA_PREFIX)
+                       for p in self.policy_dir.glob(f"{prefix}*.safetensors")})
 
     def eval_result(self, version: int) -> Path:
         return self.root / "eval" / f"v{version:06d}.json"

@@ -369,7 +369,7 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class PolicyAnnouncement:
-    """A new policy version: where its safetensors weights are and their sha256.
+    """A new policy version: where its safetensors file is and its sha256; whole, or a delta on an earlier one.
 
     `policy_version` travels as the wire field `version` (docs/wire-format.md).
     """
@@ -383,27 +383,54 @@ class PolicyAnnouncement:
     # HMAC-SHA256 (hex) of the fields above under the run's announcement key (sao/transport/announcements.py);
     # "" = unsigned, which samplers ignore. Absent on the wire = "".
     signature: str = ""
+    # "snapshot" (the whole state) or "delta" (sao/policy/deltas.py: changes on `base_version`, whose state hashes
+    # to `base_sha256`); on the wire a delta is the announcement with a `base_version`. `state_sha256` hashes the
+    # state the file leaves (deltas.state_sha256); "" = not hashed, which only snapshots may be, and no delta can
+    # follow one. Absent on the wire: a snapshot, "".
+    kind: str = "snapshot"
+    base_version: int = 0
+    base_sha256: str = ""
+    state_sha256: str = ""
 
     def signed_fields(self) -> bytes:
-        """The bytes a signature covers: every field but the signature, in a fixed order."""
-        return msgpack.packb([self.policy_version, self.weights_path, self.sha256, self.num_bytes, self.trainer_step,
-                              self.created_at], use_bin_type=True)
+        """The bytes a signature covers: every field but the signature, in a fixed order (the chain fields only
+        when there are any, so a whole file's announcement is signed as before they existed)."""
+        fields = [self.policy_version, self.weights_path, self.sha256, self.num_bytes, self.trainer_step,
+                  self.created_at]
+        if self.kind != "snapshot" or self.state_sha256:
+            fields += [self.kind, self.base_version, self.base_sha256, self.state_sha256]
+        return msgpack.packb(fields, use_bin_type=True)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {"version": self.policy_version, "weights_path": self.weights_path, "sha256": self.sha256,
                 "num_bytes": self.num_bytes, "trainer_step": self.trainer_step, "created_at": self.created_at}
         if self.signature:
             wire["signature"] = self.signature
+        if self.kind == "delta":  # the envelope's `kind` is the message's, so a delta is known by its base
+            wire.update(base_version=self.base_version, base_sha256=self.base_sha256)
+        if self.state_sha256:
+            wire["state_sha256"] = self.state_sha256
         return wire
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> PolicyAnnouncement:
         sha = _get(obj, "sha256", str)
         _require(len(sha) == 64, "sha256", "expected 64 hex characters")
+        kind = "delta" if "base_version" in obj else "snapshot"
+        state_sha = _get(obj, "state_sha256", str) if "state_sha256" in obj else ""
+        _require(len(state_sha) in (0, 64), "state_sha256", "expected 64 hex characters")
+        base_version, base_sha = 0, ""
+        if kind == "delta":
+            base_version, base_sha = _get(obj, "base_version", int), _get(obj, "base_sha256", str)
+            version = _get(obj, "version", int)
+            _require(0 <= base_version < version, "base_version", "must be below the version it is a delta for")
+            _require(len(base_sha) == 64 and len(state_sha) == 64, "base_sha256",
+                     "a delta needs base_sha256 and state_sha256, 64 hex characters each")
         return cls(policy_version=_get(obj, "version", int), weights_path=_get(obj, "weights_path", str), sha256=sha,
                    num_bytes=_get(obj, "num_bytes", int), trainer_step=_get(obj, "trainer_step", int),
                    created_at=float(_get(obj, "created_at", (int, float))),
-                   signature=_get(obj, "signature", str) if "signature" in obj else "")
+                   signature=_get(obj, "signature", str) if "signature" in obj else "",
+                   kind=kind, base_version=base_version, base_sha256=base_sha, state_sha256=state_sha)
 
 
 _KINDS: dict[str, type] = {"task": Task, "trajectory": Trajectory, "policy": PolicyAnnouncement}

@@ -12,6 +12,8 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ from sao.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 _CHUNK_BYTES = 8 << 20
-# A published file holds fp32; any float dtype is accepted because loading casts to the policy's.
+# A published file holds trainer.publish_dtype; any float dtype is accepted because loading casts to the policy's.
 _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
 
@@ -74,12 +76,13 @@ def write_weights(state: dict[str, torch.Tensor], path: Path) -> str:
     return digest
 
 
-def announced_weights_path(weights_path: str, version: int, policy_dir: Path | str) -> Path:
+def announced_weights_path(weights_path: str, version: int, policy_dir: Path | str, delta: bool = False) -> Path:
     """The file an announcement of `version` may name: the run's file for it, directly in `policy_dir`.
 
     Both sides are resolved (symlinks, `..`) before they are compared, so a link from inside the
     folder to elsewhere is refused too; nothing here opens a file. Binding the name to the version
-    stops an announcement from relabelling an older file as a much newer version.
+    (and to its kind: a `delta` file or a whole one) stops an announcement from relabelling an older
+    file as a much newer version.
     """
     try:
         folder = Path(os.path.realpath(policy_dir))
@@ -88,20 +91,33 @@ def announced_weights_path(weights_path: str, version: int, policy_dir: Path | s
         raise WeightsMismatch(f"{weights_path!r} is not a usable path ({err})", "outside-folder") from err
     if resolved.parent != folder:
         raise WeightsMismatch(f"{weights_path!r} resolves outside the policy folder {folder}", "outside-folder")
-    expected = RunDir(folder.parent).weights(version).name
+    run_dir = RunDir(folder.parent)
+    expected = (run_dir.weights_delta(version) if delta else run_dir.weights(version)).name
     if resolved.name != expected:
         raise WeightsMismatch(f"{weights_path!r} is not the file of policy v{version} ({expected})", "wrong-name")
     return resolved
 
 
 def read_weights_into(policy: MemoryPolicy, path: Path | str, sha256: str, *, num_bytes: int | None = None,
-                      max_bytes: int | None = None) -> None:
+                      max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """Load a published version into `policy` after the checks above; tied weights re-tie.
 
     `num_bytes` is the announced size and `max_bytes` the most to read (None: not known or not
     bounded, as for `sao eval`, which reads its own run's files through their sidecars).
+    Returns the file's tensors in their own dtype (the base a delta applies to).
     Raises WeightsMismatch, or OSError when the file cannot be read (FileNotFoundError once pruned).
     """
+    with verified_file(path, sha256, num_bytes=num_bytes, max_bytes=max_bytes) as source:
+        state = _checked_tensors(policy, source, path)
+    policy.load_state_dict(state, strict=False)  # names and shapes were checked; only the tied alias may be absent
+    return state
+
+
+@contextmanager
+def verified_file(path: Path | str, sha256: str, *, num_bytes: int | None = None,
+                  max_bytes: int | None = None) -> Iterator[str]:
+    """A name to parse `path` by once it is a regular file of the announced size (at most `max_bytes`)
+    whose bytes hash to `sha256`: the very file hashed, even if the path is swapped meanwhile."""
     limit = max_bytes if max_bytes is not None else float("inf")
     if num_bytes is not None and num_bytes > limit:
         raise WeightsMismatch(f"{path}: announced size {num_bytes} bytes is over sampler.max_weights_bytes = "
@@ -118,10 +134,9 @@ def read_weights_into(policy: MemoryPolicy, path: Path | str, sha256: str, *, nu
         actual = _sha256_of_open_file(fd, size, path)
         if actual != sha256:
             raise WeightsMismatch(f"{path}: sha256 {actual} does not match the announced {sha256}", "sha256")
-        state = _checked_tensors(policy, _reopenable_name(fd, path), path)
+        yield _reopenable_name(fd, path)
     finally:
         os.close(fd)
-    policy.load_state_dict(state, strict=False)  # names and shapes were checked; only the tied alias may be absent
 
 
 def _open_regular_file(path: Path | str) -> int:
@@ -187,8 +202,7 @@ def _checked_tensors(policy: MemoryPolicy, source: str, path: Path | str) -> dic
                 if (dtype in _FLOAT_DTYPES) != piece.is_floating_point():
                     problems.append(f"{name} has dtype {dtype}, the model {piece.dtype}")
             if problems:
-                shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-                raise WeightsMismatch(f"{path}: tensors do not fit the model: {shown}", "tensors")
+                raise WeightsMismatch(f"{path}: tensors do not fit the model: {first_few(problems)}", "tensors")
             tensors = {name: handle.get_tensor(name) for name in names}
     except SafetensorError as err:
         raise WeightsMismatch(f"{path}: not a safetensors file ({err})", "format") from err
@@ -198,6 +212,12 @@ def _checked_tensors(policy: MemoryPolicy, source: str, path: Path | str) -> dic
     if not_finite:
         raise WeightsMismatch(f"{path}: {', '.join(not_finite[:4])} hold(s) NaN or infinity", "non-finite")
     return tensors
+
+
+def first_few(problems: list[str], shown: int = 4) -> str:
+    """`problems` joined for a message: the first `shown`, then how many more."""
+    more = len(problems) - shown
+    return "; ".join(problems[:shown]) + (f"; and {more} more" if more > 0 else "")
 
 
 def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:

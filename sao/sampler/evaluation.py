@@ -23,7 +23,7 @@ import torch
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import make_tasks
-from sao.policy.weights import read_weights_into
+from sao.policy.chain import read_version_into
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
 from sao.schema import Task
@@ -110,7 +110,7 @@ class Scorer:
             return
         if version == 0:
             raise ValueError("the base model (v0) must be scored before any other version is loaded")
-        read_weights_into(self.policy, *weights_of(self.run_dir, version))
+        read_version_into(self.policy, RunDir(self.run_dir), version)
         self.loaded_version = version
 
     def score(self, version: int, tasks: list[Task], greedy: bool = True) -> tuple[TaskScores, dict[str, str]]:

@@ -29,15 +29,12 @@ from sao.metrics import (
     record_rollout,
     record_versions_behind,
 )
-from sao.policy.weights import (
-    WeightsMismatch,
-    announced_weights_path,
-    read_weights_into,
-)
+from sao.policy.weights import WeightsMismatch, announced_weights_path
 from sao.sampler.admission import Admission
 from sao.sampler.offsets import OffsetTracker
 from sao.sampler.outbox import Outbox
 from sao.sampler.rollout import LiveEpisode, Roller
+from sao.sampler.weight_sync import Resync, WeightSync
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import process_usage, write_status
 from sao.transport.announcements import PolicyFollower, read_announce_key
@@ -63,7 +60,8 @@ class Sampler:
         seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
         self.roller = Roller.from_config(config, sampler_id, seed)
         self.policy = self.roller.policy
-        self.policy_version = 0
+        # The version and published state it holds, and how a new version's files (whole or delta) bring it there.
+        self.weight_sync = WeightSync(self.policy)
         self.env_name = task_env(config.env.name)  # the `env` its tasks carry (None: a plugin unknown here)
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
                          "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,
@@ -86,6 +84,14 @@ class Sampler:
         self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live
         self.admission = Admission(config.sampler.rollout_batch)  # `run` sets its max_tasks
         self.stopping = False
+
+    @property
+    def policy_version(self) -> int:
+        return self.weight_sync.version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self.weight_sync.version = version
 
     def run(self, max_tasks: int | None = None) -> dict:
         """Loop until stopped (SIGTERM/SIGINT) or `max_tasks` tasks are handled.
@@ -337,22 +343,40 @@ class Sampler:
                 self._refuse(announcement, err)
         if self.pending is None or not reload_now:
             return
-        announcement, self.pending = self.pending, None
+        target, self.pending = self.pending, None
+        try:
+            chain = self.weight_sync.chain_to(target, self.policy_follower.announced)
+        except WeightsMismatch as err:
+            self._refuse(target, err)
+            return
+        for announcement in chain:  # a snapshot or the held version first, then deltas in order
+            if not self._load(announcement):
+                return
+
+    def _load(self, announcement: PolicyAnnouncement) -> bool:
+        """Bring the policy to `announcement`'s version with its file (whole, or a delta in place); whether it did."""
         started = time.perf_counter()
         try:
-            read_weights_into(self.policy, self._weights_path(announcement), announcement.sha256,
-                              num_bytes=announcement.num_bytes, max_bytes=self.config.sampler.max_weights_bytes)
+            self.weight_sync.apply(announcement, self._weights_path(announcement),
+                                   max_bytes=self.config.sampler.max_weights_bytes)
+        except Resync as err:  # not refused: offered again, after the snapshot it now needs
+            record_announcement_refused(err.reason)
+            self.counters["refused"] += 1
+            log.warning("%s dropped its weights for policy v%d (%s): %s", self.sampler_id,
+                        announcement.policy_version, err.reason, err)
+            return False
         except (OSError, WeightsMismatch) as err:
             self._refuse(announcement, err)
-            return
+            return False
         self.policy_follower.loaded(announcement.policy_version)
         self.missing_refused = {v for v in self.missing_refused if v > announcement.policy_version}
         reload_s = time.perf_counter() - started
-        self.policy_version = announcement.policy_version
         self.counters["reloads"] += 1
         self.counters["reload_s"] += reload_s
         record_policy_reload(self.policy_version, reload_s)
-        log.info("%s loaded policy v%d in %.1f s", self.sampler_id, self.policy_version, reload_s)
+        log.info("%s loaded policy v%d (%s) in %.1f s", self.sampler_id, self.policy_version, announcement.kind,
+                 reload_s)
+        return True
 
     def _check_lag(self) -> None:
         """Say loudly (log, metric) when this sampler is more than trainer.max_staleness versions behind the newest
@@ -375,7 +399,8 @@ class Sampler:
         if self.policy_dir is None:
             raise WeightsMismatch("no policy folder is configured (sampler.policy_dir, or `sao sampler --run-dir`), "
                                   "so no announced file can be trusted", "no-policy-dir")
-        return announced_weights_path(announcement.weights_path, announcement.policy_version, self.policy_dir)
+        return announced_weights_path(announcement.weights_path, announcement.policy_version, self.policy_dir,
+                                      delta=announcement.kind == "delta")
 
     def _refuse(self, announcement: PolicyAnnouncement, err: OSError | WeightsMismatch) -> None:
         """Skip an announcement: its file unreadable or unsafe (for good), or not there (tried again later: not

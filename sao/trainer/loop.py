@@ -111,7 +111,8 @@ class Trainer:
         self.committed_offsets: dict[int, int] = {}  # this life's last commit, named if the broker is lost
         self.producer = RenewingProducer(bootstrap, self.broker_watch) if self.is_leader else None
         self.publisher = PolicyPublisher(self.producer, config.topics.policy, self.run_dir,
-                                         config.trainer.keep_versions)
+                                         config.trainer.keep_versions, config.trainer.publish_dtype,
+                                         config.trainer.publish_deltas, config.trainer.snapshot_every)
         self.buffer = ReplayBuffer(config.trainer.max_reuse, config.trainer.priority_exponent,
                                    config.trainer.freshness_decay)
         if self.state.rng:  # a resumed run draws the same random numbers it would have drawn

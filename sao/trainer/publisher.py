@@ -1,8 +1,13 @@
 """Publish policy versions: gather ZeRO-3 weights, write safetensors + sha256, announce on Kafka.
 
 Weights go to a directory every sampler can read (local disk for `sao run`, a shared volume or
-mount in a cluster); only the small announcement travels through Kafka. The last
-`keep_versions` files are kept so a lagging sampler can still load the one it was told about.
+mount in a cluster); only the small announcement travels through Kafka. Each version is written
+whole in `trainer.publish_dtype`, or with `trainer.publish_deltas` as a sparse delta on the
+version before (sao/policy/deltas.py) with a whole snapshot every `trainer.snapshot_every`
+versions and first in each trainer's life. A delta is always against what this publisher last
+published, so a version republished after a rollback chains like any other. The last
+`keep_versions` versions are kept, with the files their deltas rest on, so a lagging sampler can
+still load the one it was told about.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from sao import metrics
+from sao.policy.chain import chain_versions
+from sao.policy.deltas import PUBLISH_DTYPES, cast_state, state_sha256, write_delta
 from sao.policy.weights import write_weights
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
@@ -23,11 +31,18 @@ log = logging.getLogger(__name__)
 
 
 class PolicyPublisher:
-    def __init__(self, producer, topic: str, run_dir: RunDir, keep_versions: int):
+    def __init__(self, producer, topic: str, run_dir: RunDir, keep_versions: int, publish_dtype: str = "fp32",
+                 deltas: bool = False, snapshot_every: int = 1):
         self.producer = producer
         self.topic = topic
         self.run_dir = run_dir
         self.keep_versions = keep_versions
+        self.dtype = PUBLISH_DTYPES[publish_dtype]
+        self.deltas = deltas
+        self.snapshot_every = snapshot_every
+        # The last published state (publish dtype), its version, hash, and the version of the snapshot it rests on.
+        self.previous: dict[str, torch.Tensor] | None = None
+        self.previous_version = self.previous_sha256 = self.snapshot_version = None
         # Versions kept beyond keep_versions (shadow validation's best and the one it is scoring).
         self.pinned: Callable[[], set[int]] = set
         # Samplers read only announcements signed with the run's key, kept beside the weights (made once per run).
@@ -38,20 +53,53 @@ class PolicyPublisher:
         state = gather_full_state(engine)
         if torch.distributed.get_rank() != 0:
             return None
-        path = self.run_dir.weights(version)
         # Samplers act with the policy only; the trainer's value head stays in its checkpoints.
-        sha256 = write_weights({k: v for k, v in state.items() if not k.startswith("value_head.")}, path)
-        announcement = PolicyAnnouncement(policy_version=version, weights_path=str(path.resolve()), sha256=sha256,
-                                          num_bytes=path.stat().st_size, trainer_step=trainer_step)
+        policy_state = {k: v for k, v in state.items() if not k.startswith("value_head.")}
+        return self.publish_state(policy_state, version, trainer_step)
+
+    def publish_state(self, state: dict[str, torch.Tensor], version: int, trainer_step: int) -> PolicyAnnouncement:
+        """Write `state` (one tensor per storage) as `version`, announce it, prune what no kept version needs.
+
+        With deltas the publisher keeps `state`'s tensors as the next delta's base: nobody may change them.
+        """
+        published = cast_state(state, self.dtype)
+        facts = self._write(published, version)
+        path = self.run_dir.weights_delta(version) if facts.get("kind") == "delta" else self.run_dir.weights(version)
+        announcement = PolicyAnnouncement(policy_version=version, weights_path=str(path.resolve()),
+                                          num_bytes=path.stat().st_size, trainer_step=trainer_step, **facts)
         announcement = sign(announcement, self.key)
         # The same facts next to the file, so `sao eval` can verify a version without Kafka.
         self.run_dir.weights_sidecar(version).write_text(json.dumps(announcement.to_wire()))
         announce(self.producer, self.topic, announcement)
+        metrics.record_policy_bytes(announcement.kind, announcement.num_bytes)
         self._prune(version)
         return announcement
 
+    def _write(self, published: dict[str, torch.Tensor], version: int) -> dict:
+        """Write `version`'s file; the announcement's facts about it (sha256, and with deltas the chain's)."""
+        if not self.deltas:
+            return {"sha256": write_weights(published, self.run_dir.weights(version))}
+        result_sha256 = state_sha256(published)
+        snapshot_due = self.previous is None or version - self.snapshot_version >= self.snapshot_every
+        if snapshot_due:
+            facts = {"sha256": write_weights(published, self.run_dir.weights(version)), "state_sha256": result_sha256}
+            self.snapshot_version = version
+        else:
+            facts = {"sha256": write_delta(self.previous, published, self.run_dir.weights_delta(version)),
+                     "kind": "delta", "base_version": self.previous_version, "base_sha256": self.previous_sha256,
+                     "state_sha256": result_sha256}
+        self.previous, self.previous_version, self.previous_sha256 = published, version, result_sha256
+        return facts
+
     def _prune(self, newest: int) -> None:
-        for old in self.run_dir.kept_versions():
-            if old <= newest - self.keep_versions and old not in self.pinned():
+        """Drop every version older than keep_versions and not pinned, unless a kept version's chain needs it."""
+        on_disk = self.run_dir.kept_versions()
+        needed: set[int] = set()
+        for version in on_disk:
+            if version > newest - self.keep_versions or version in self.pinned():
+                needed |= chain_versions(self.run_dir, version)
+        for old in on_disk:
+            if old not in needed:
                 self.run_dir.weights(old).unlink(missing_ok=True)
+                self.run_dir.weights_delta(old).unlink(missing_ok=True)
                 self.run_dir.weights_sidecar(old).unlink(missing_ok=True)

@@ -1,6 +1,8 @@
 """The policy topic, both ends: the trainer announces a version, samplers follow the newest.
 
-Only the small announcement travels through Kafka; the weights it names stay on a shared disk.
+Only the small announcement travels through Kafka; the weights it names stay on a shared disk. A
+version may be a delta on an earlier one: the follower remembers the announcements it read, so a
+sampler can walk a delta's chain back to its snapshot.
 Following never blocks a rollout. Announcements are untrusted input: a version that is negative,
 absurdly large or a huge jump over the newest one read is refused here, so that one bad message
 can neither shadow every later version nor overflow the trainer's version counter on resume.
@@ -121,6 +123,9 @@ class PolicyFollower:
         self._done_up_to = 0  # versions at or below it are loaded (or older than what is)
         self._refused: set[tuple] = set()  # claims (`_claim`) refused for good
         self._waiting: dict[int, tuple[PolicyAnnouncement, float]] = {}  # file missing: offered again after a while
+        # Every plausible announcement not refused, the newest per version, loaded ones too: the links of
+        # a delta chain (sao/sampler/weight_sync.py).
+        self.announced: dict[int, PolicyAnnouncement] = {}
         self._key_source = key
         self._key: bytes | None = None
         self.ignored = 0  # announcements without a valid signature
@@ -204,14 +209,16 @@ class PolicyFollower:
     def refused(self, version: int, missing: bool = False) -> None:
         """The reader could not use `version`: never offer this announcement of it again, or, if its file was
         `missing` (not there yet, or pruned), not before MISSING_RETRY_S. A new announcement of it is offered."""
-        announcement = self._candidates.pop(version, None)
+        announcement = self._candidates.pop(version, None) or self.announced.get(version)
         if announcement is None:
             return
         if missing:
-            if len(self._waiting) < _MAX_CANDIDATES:
+            if version > self._done_up_to and len(self._waiting) < _MAX_CANDIDATES:
                 self._waiting[version] = (announcement, time.monotonic() + MISSING_RETRY_S)
-        elif len(self._refused) < _MAX_CANDIDATES:
-            self._refused.add(_claim(announcement))
+        else:
+            self.announced.pop(version, None)  # no chain passes through it
+            if len(self._refused) < _MAX_CANDIDATES:
+                self._refused.add(_claim(announcement))
 
     def close(self) -> None:
         self.consumer.close()
@@ -219,7 +226,12 @@ class PolicyFollower:
     def _note(self, announcement: PolicyAnnouncement) -> None:
         version = announcement.policy_version
         self.newest_read = version if self.newest_read is None else max(self.newest_read, version)
-        if version <= self._done_up_to or _claim(announcement) in self._refused:
+        if _claim(announcement) in self._refused:
+            return
+        self.announced[version] = announcement
+        if len(self.announced) > _MAX_CANDIDATES:
+            del self.announced[min(self.announced)]
+        if version <= self._done_up_to:
             return
         self._waiting.pop(version, None)  # announced again: offered now
         self._candidates[version] = announcement

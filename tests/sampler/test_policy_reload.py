@@ -18,6 +18,7 @@ import torch
 from sao.policy.weights import WeightsMismatch, read_weights_into, unique_state_dict, write_weights
 from sao.run_dir import RunDir
 from sao.sampler.loop import Sampler
+from sao.sampler.weight_sync import WeightSync
 from sao.schema import PolicyAnnouncement, encode
 from sao.transport import announcements
 from sao.transport.announcements import PolicyFollower, ensure_announce_key, read_announce_key, sign
@@ -109,10 +110,11 @@ def reload(built_sampler, kafka_bootstrap, unique_topic_prefix, tmp_path) -> Rel
     sampler.policy_follower.close()
     sampler.policy_follower = PolicyFollower(kafka_bootstrap, topic, sampler.config.sampler.max_version_jump)
     sampler.policy.load_state_dict(version_0)
-    sampler.policy_version, sampler.pending, sampler.counters["refused"] = 0, None, 0
+    sampler.pending, sampler.counters["refused"] = None, 0
     sampler.policy_dir = tmp_path / "run" / "policy"
     sampler.policy_dir.mkdir(parents=True)
     sampler.config.sampler.max_weights_bytes = 8 << 30
+    sampler.weight_sync = WeightSync(sampler.policy)  # holds v0
     return Reload(sampler, kafka_bootstrap, topic, sampler.policy_dir)
 
 
@@ -400,3 +402,68 @@ def test_a_sampler_far_behind_the_newest_announced_version_says_so(signed, caplo
     signed.announce(limit + 3, signed.weights(limit + 3))
     assert signed.settle() == limit + 3
     assert REGISTRY.get_sample_value("sao_sampler_versions_behind", {"sampler": "s-trust"}) == 0
+
+
+def _forged_delta(path: Path, fault: str) -> None:
+    """Rewrite the delta file at `path` with one position out of range or one value not finite."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    name = next(key for key in sorted(tensors) if key.endswith("/values"))[:-len("/values")]
+    if fault == "out-of-range":
+        beyond = torch.tensor([0xFF, 0xFF, 0x7F], dtype=torch.uint8)  # a last gap of 2^21 - 1
+        tensors[name + "/gaps"] = torch.cat([tensors[name + "/gaps"][:-1], beyond])
+    else:
+        tensors[name + "/values"][0] = float("nan")
+    path.unlink()
+    write_weights(tensors, path)
+
+
+@pytest.mark.parametrize("fault", ["flipped-byte", "wrong-base-sha256", "out-of-range", "non-finite", "reordered"])
+def test_a_bad_delta_is_refused_and_the_sampler_resyncs_to_the_trainers_weights(reload, monkeypatch, caplog, fault):
+    import dataclasses
+
+    from sao.trainer import publisher as publisher_module
+    from sao.trainer.publisher import PolicyPublisher
+
+    run_dir = RunDir(reload.policy_dir.parent)
+    published = []
+    monkeypatch.setattr(publisher_module, "announce", lambda _producer, _topic, a: published.append(a))
+    publisher = PolicyPublisher(None, "policy", run_dir, 100, "bf16", deltas=True, snapshot_every=3)
+    base = unique_state_dict(reload.sampler.policy.state_dict())
+    states = []
+    for version in range(1, 6):  # v1 snapshot, v2 v3 deltas, v4 snapshot, v5 delta
+        state = {name: tensor.clone() for name, tensor in base.items()}
+        for tensor in state.values():
+            tensor.view(-1)[version::97] += 0.01 * version
+        states.append(state)
+        publisher.publish_state({name: tensor.clone() for name, tensor in state.items()}, version, version)
+    assert [a.kind for a in published] == ["snapshot", "delta", "delta", "snapshot", "delta"]
+    v1, v2, v3, v4, v5 = published
+    if fault == "flipped-byte":
+        data = bytearray(run_dir.weights_delta(2).read_bytes())
+        data[-1] ^= 0x01
+        run_dir.weights_delta(2).write_bytes(bytes(data))
+    elif fault == "wrong-base-sha256":
+        v2 = dataclasses.replace(v2, base_sha256="0" * 64)
+    elif fault in ("out-of-range", "non-finite"):
+        _forged_delta(run_dir.weights_delta(2), fault)
+        path = run_dir.weights_delta(2)
+        v2 = dataclasses.replace(v2, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                 num_bytes=path.stat().st_size)
+    order = [v1, v3, v2, v4, v5] if fault == "reordered" else [v1, v2, v3, v4, v5]
+    for announcement in order[:3]:
+        reload.send(encode(announcement))
+        reload.settle()
+    reasons = {"flipped-byte": "sha256", "wrong-base-sha256": "base-sha256", "out-of-range": "positions",
+               "non-finite": "non-finite", "reordered": "broken-chain"}
+    assert any(f"({reasons[fault]})" in message for message in _refusals(caplog)), _refusals(caplog)
+    assert reload.sampler.policy_version == (2 if fault == "reordered" else 1)
+    if fault == "wrong-base-sha256":
+        assert reload.sampler.weight_sync.resyncs == 1  # dropped what it held once, then refused the delta
+    for announcement in order[3:]:
+        reload.send(encode(announcement))
+    assert reload.settle() == 5
+    model = reload.sampler.policy.state_dict()
+    for name, tensor in states[-1].items():
+        assert torch.equal(model[name], tensor.bfloat16().float()), name

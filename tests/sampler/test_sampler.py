@@ -52,6 +52,7 @@ class _Announcements:
         self.latest = None
         self.refused_versions = set()
         self.newest_read = None  # the sampler compares its version with it (how far behind it is)
+        self.announced = {}  # a delta's chain links (none here: every version is whole)
 
     def poll(self):
         if self.latest is None or self.latest.policy_version in self.refused_versions:
@@ -76,7 +77,7 @@ def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_
 
     from sao.policy.weights import unique_state_dict, write_weights
     from sao.run_dir import RunDir
-    from sao.sampler import loop as sampler_module
+    from sao.sampler import weight_sync as weight_sync_module
     from sao.schema import PolicyAnnouncement
 
     config = tiny_config.model_copy(deep=True)
@@ -87,8 +88,8 @@ def test_a_version_is_loaded_only_when_no_episode_is_live_and_a_bad_file_is_not_
     sampler = Sampler(config, kafka_bootstrap, "s-reload")
     sampler.policy_follower = follower = _Announcements()
     reads = []
-    real_read = sampler_module.read_weights_into
-    monkeypatch.setattr(sampler_module, "read_weights_into",
+    real_read = weight_sync_module.read_weights_into
+    monkeypatch.setattr(weight_sync_module, "read_weights_into",
                         lambda *a, **k: (reads.append(a[1].name), real_read(*a, **k)))
     with torch.no_grad():
         sampler.policy.projector.bias.fill_(0.5)  # v1 differs from v0 in a way we can see

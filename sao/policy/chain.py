@@ -1,0 +1,62 @@
+"""A published version on disk, however it was published: the files it rests on and its whole state.
+
+Each version's sidecar (RUN_DIR/policy/policy-vNNNNNN.json) holds its announcement; a delta's names
+the version it applies to. Readers without Kafka (`sao eval`, the shadow scorer, pruning) follow
+those links back to the snapshot and forward again.
+"""
+
+from __future__ import annotations
+
+import json
+
+from sao.policy.deltas import apply_changes, read_delta, state_sha256
+from sao.policy.model import MemoryPolicy
+from sao.policy.weights import WeightsMismatch, read_weights_into
+from sao.run_dir import RunDir
+from sao.schema import PolicyAnnouncement
+
+
+def sidecar_announcement(run_dir: RunDir, version: int) -> PolicyAnnouncement | None:
+    """The announcement of `version` kept beside its file (None once pruned)."""
+    try:
+        return PolicyAnnouncement.from_wire(json.loads(run_dir.weights_sidecar(version).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def chain_versions(run_dir: RunDir, version: int) -> set[int]:
+    """`version` and every version its file rests on, back to a snapshot (or to where sidecars end)."""
+    chain = {version}
+    announcement = sidecar_announcement(run_dir, version)
+    while announcement is not None and announcement.kind == "delta" and announcement.base_version not in chain:
+        chain.add(announcement.base_version)
+        announcement = sidecar_announcement(run_dir, announcement.base_version)
+    return chain
+
+
+def read_version_into(policy: MemoryPolicy, run_dir: RunDir, version: int) -> None:
+    """Load published `version` into `policy`: its snapshot, then each delta after it, every file checked.
+
+    Raises FileNotFoundError when a file of the chain was pruned, WeightsMismatch when one is not
+    what its sidecar says.
+    """
+    chain = []
+    at = version
+    while True:
+        announcement = sidecar_announcement(run_dir, at)
+        if announcement is None:
+            raise FileNotFoundError(f"policy v{at} (needed for v{version}) is not in {run_dir.policy_dir} (kept: "
+                                    f"{run_dir.kept_versions() or 'none'}; raise trainer.keep_versions to keep more)")
+        chain.append(announcement)
+        if announcement.kind == "snapshot":
+            break
+        at = announcement.base_version
+    snapshot, *deltas = reversed(chain)
+    state = read_weights_into(policy, run_dir.weights(snapshot.policy_version), snapshot.sha256)
+    for delta in deltas:
+        apply_changes(state, read_delta(run_dir.weights_delta(delta.policy_version), delta.sha256, state))
+        if state_sha256(state) != delta.state_sha256:
+            raise WeightsMismatch(f"policy v{delta.policy_version}: the chain's state does not hash to its "
+                                  f"state_sha256", "result-sha256")
+    if deltas:
+        policy.load_state_dict(state, strict=False)
