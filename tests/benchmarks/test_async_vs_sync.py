@@ -2,7 +2,6 @@
 headline whose figures are finite and agree with each other; and its learning comparison over seeds.
 No timing is asserted."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from support.benchmark_modules import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "async_vs_sync.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_async_vs_sync", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("async_vs_sync")
 
 
 def _runs(*gains_and_errors):

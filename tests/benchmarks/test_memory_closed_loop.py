@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -16,22 +15,16 @@ import torch
 from sao.offline.align import context_logprobs
 from sao.policy.context import StepInput
 from sao.policy.weights import build_policy
+from support.benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "memory_closed_loop.py"
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("bench_memory_closed_loop", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_command_logprobs_equal_scoring_each_command_after_the_whole_context(tiny_config):
     """The shared-context shortcut (one forward, its cache repeated per command, commands padded) gives
     what the trainer's scorer gives each command appended to the full context, memory included."""
-    bench = load_benchmark()
+    bench = load_benchmark("memory_closed_loop")
     torch.manual_seed(0)
     policy = build_policy(tiny_config.policy, 384).eval()
     torch.nn.init.normal_(policy.projector.weight, std=0.02)  # memory that changes the answer

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -12,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from support.benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,10 +53,7 @@ def test_memory_fidelity_tiny(tmp_path):
 
 
 def _bench():
-    loaded = importlib.util.spec_from_file_location("bench_memory_fidelity", ROOT / "benchmarks" / "memory_fidelity.py")
-    bench = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(bench)
-    return bench
+    return load_benchmark("memory_fidelity")
 
 
 def test_wire_cost_counts_slots_against_the_token_ids_of_the_steps_they_span(tiny_config, encoder):

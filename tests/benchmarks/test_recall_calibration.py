@@ -3,7 +3,6 @@ recent window does not; a tiny run's JSON (no timing asserts)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,20 +14,14 @@ from sao.envs.recall import build_episode
 from sao.envs.registry import generation_settings, make_tasks
 from sao.policy.chat import ChatFormat
 from sao.policy.loading import load_tokenizer
+from support.benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "recall_calibration.py"
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("bench_recall_calibration", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_full_text_holds_the_fact_and_the_recent_window_only_when_it_is_the_last_turn(tiny_config):
-    bench = load_benchmark()
+    bench = load_benchmark("recall_calibration")
     config = tiny_config.model_copy(update={"env": tiny_config.env.model_copy(update={"name": "recall"})})
     tokenizer = load_tokenizer(config.policy.model, config.policy.cache_dir)
     settings = generation_settings(config)

@@ -1,7 +1,6 @@
 """`benchmarks/recovery.py`: its figures read the audit and the topics as they are, and a tiny run with
 a sampler and the trainer killed -9 ends with nothing lost and nothing trained twice."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,16 +10,14 @@ from pathlib import Path
 import pytest
 
 from sao.audit import AuditReport, read_ledger
+from support.benchmark_modules import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "recovery.py"
 
 
 @pytest.fixture(scope="module")
 def recovery():
-    spec = importlib.util.spec_from_file_location("bench_recovery", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("recovery")
 
 
 def _report(**classes) -> AuditReport:
