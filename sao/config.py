@@ -354,6 +354,11 @@ class TrainerConfig(Section):
 
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
 
+    @property
+    def sequence_level_ratio(self) -> bool:
+        """One importance ratio over all of a trajectory's rows (tis/masked with importance_level = sequence)."""
+        return self.importance_level == "sequence" and self.objective != "ppo"
+
     @model_validator(mode="before")
     @classmethod
     def _no_retired_knobs(cls, data: Any) -> Any:

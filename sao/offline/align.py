@@ -118,7 +118,7 @@ def context_logprobs(policy: MemoryPolicy, inputs: Sequence[StepInput]) -> list[
     hidden = policy.lm.base_model(inputs_embeds=embeds, attention_mask=batch.attention_mask).last_hidden_state
     out = []
     for row, x in enumerate(inputs):
-        end = len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids)
+        end = x.positions
         out.append(_head(policy, hidden[row, end - len(x.action_ids) - 1:end - 1]))
     return out
 

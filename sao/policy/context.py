@@ -29,6 +29,11 @@ class StepInput:
     context_ids: np.ndarray  # int32, recent steps + current observation, after memory
     action_ids: np.ndarray  # int32, empty while generating
 
+    @property
+    def positions(self) -> int:
+        """Positions the step takes in a forward pass: prompt, memory slots, context and action."""
+        return len(self.prompt_ids) + len(self.memory) + len(self.context_ids) + len(self.action_ids)
+
 
 def step_tokens(finished: list[tuple[np.ndarray, np.ndarray]], observation_ids: np.ndarray,
                 recent_window: int) -> np.ndarray:

@@ -41,7 +41,7 @@ class ScoringBatch:
 
 
 def collate_steps(inputs: list[StepInput], memory_dim: int, temperatures: list[float] | None = None) -> ScoringBatch:
-    lengths = [len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids) for x in inputs]
+    lengths = [x.positions for x in inputs]
     rows, width = len(inputs), max(lengths)
     token_ids = torch.zeros(rows, width, dtype=torch.long)
     memory_vectors = torch.zeros(rows, width, memory_dim)

@@ -98,8 +98,7 @@ def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajec
     """
     units: list[tuple[int, list[Row]]] = []  # (longest row, rows)
     for index in indices:
-        lengths = [len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids)
-                   for x in training_inputs(plan.trajectories[index])]
+        lengths = [x.positions for x in training_inputs(plan.trajectories[index])]
         rows = [(index, turn) for turn in range(len(lengths))]
         units += [(max(lengths), rows)] if whole_trajectories else [(n, [row]) for n, row in zip(lengths, rows)]
     passes: list[list[Row]] = []

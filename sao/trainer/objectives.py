@@ -52,7 +52,7 @@ def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, L
     mask = inputs.mask.to(inputs.logprobs.dtype)
     token_log_ratio = (inputs.logprobs - inputs.behaviour_logprobs) * mask
     log_ratio = token_log_ratio
-    if cfg.importance_level == "sequence" and cfg.objective != "ppo":
+    if cfg.sequence_level_ratio:
         count = int(inputs.row_trajectory.max()) + 1 if inputs.row_trajectory.numel() else 0
         log_ratio = _sequence_log_ratio(token_log_ratio, inputs.row_trajectory, count) * mask
     ratio = torch.exp(log_ratio)

@@ -100,11 +100,10 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_d
     shared among the ranks, each scored in passes of at most `trainer.micro_batch_tokens` positions."""
     ranks, count = world_size(), len(plan.trajectories)
     normaliser = count / (accumulation * ranks)  # DeepSpeed divides each pass's loss by `accumulation`
-    whole = cfg.importance_level == "sequence" and cfg.objective != "ppo"
     passes = []
     for first in range(accumulation):
         mine = list(range(count))[first::accumulation][rank()::ranks]
-        passes += micro_batches(plan, mine, cfg.micro_batch_tokens, whole)
+        passes += micro_batches(plan, mine, cfg.micro_batch_tokens, cfg.sequence_level_ratio)
     # ZeRO-3 gathers parameters collectively in every pass: each rank makes as many, idle ones at weight 0.
     passes += [[]] * (agreed_max(len(passes), engine.device) - len(passes))
     parts, forward_backward_s, optimizer_s = [], 0.0, 0.0

@@ -60,7 +60,7 @@ class TrajectoryValidator:
                    config.env.max_turns, task_env(config.env.name), memory_basis,
                    config.trainer.max_trajectory_tokens, getattr(lm.config, "max_position_embeddings", None),
                    config.trainer.micro_batch_tokens,
-                   config.trainer.importance_level == "sequence" and config.trainer.objective != "ppo")
+                   config.trainer.sequence_level_ratio)
 
     def check_size(self, num_bytes: int) -> None:
         """Before decoding: a message over `trainer.max_trajectory_bytes` is refused unread."""

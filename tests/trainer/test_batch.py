@@ -195,8 +195,7 @@ def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
             return self.module(*args, **kwargs)
 
     batch = _uneven_batch(8)
-    lengths = [len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids)
-               for t in batch for x in training_inputs(t)]
+    lengths = [x.positions for t in batch for x in training_inputs(t)]
     assert len(length_buckets(lengths, 3)) > 1  # the batch is uneven enough to be split
     torch.manual_seed(0)
     policy = build_policy(tiny_config.policy, 8, value_head=knobs.get("value_head", False))
