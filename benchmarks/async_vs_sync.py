@@ -102,6 +102,8 @@ def arm_figures(run_dir: Path) -> dict:
         **{key: summary.get(key) for key in ("sampling_to_training_s_p50", "sampling_to_training_s_p95",
                                              "sampling_to_training_steps_p50", "sampling_to_training_steps_p95")},
         "heldout_gain": summary.get("heldout_gain"), "heldout_gain_stderr": summary.get("heldout_gain_stderr"),
+        "kept_version": summary.get("kept_version"), "heldout_kept_gain": summary.get("heldout_kept_gain"),
+        "heldout_kept_gain_stderr": summary.get("heldout_kept_gain_stderr"),
         "heldout_n": summary.get("heldout_n"), "duration_s": summary.get("duration_s"),
         "trainer_steps": summary.get("trainer_steps"),
     }
@@ -163,6 +165,37 @@ def gain_difference(asynchronous: list[dict], sync: list[dict]) -> dict:
             "heldout_gain_differences": differences, "heldout_gains_within_2se": abs(difference) <= 2 * se}
 
 
+def paired_by_task(async_dir: Path, sync_dir: Path, which: str) -> tuple[float | None, float | None, int]:
+    """async - sync first-try success of one version (`final` or `kept`) on the held-out tasks both
+    runs scored, paired by task: (mean difference, its standard error, n)."""
+    def first_tries(run_dir: Path) -> dict[str, float]:
+        path = run_dir / "eval" / "heldout.json"
+        per_task = json.loads(path.read_text()).get("per_task", {}) if path.exists() else {}
+        return {task: scores[which]["first_try"] for task, scores in per_task.items() if which in scores}
+
+    a, s = first_tries(async_dir), first_tries(sync_dir)
+    differences = [a[task] - s[task] for task in a if task in s]
+    return stats.mean(differences), stats.stderr(differences), len(differences)
+
+
+def per_seed(runs: dict[str, list[dict]]) -> list[dict]:
+    """Each seed on its own: async / sync steady rate against that seed's bound, and async - sync
+    held-out success (final and kept versions) paired by task, within 2 s.e. or not."""
+    rows = []
+    for a, s in zip(runs["async"], runs["sync"]):
+        phases = sync_phases([Path(s["run_dir"])])
+        ratio = (a["steady_trajectories_per_s"] / s["steady_trajectories_per_s"]
+                 if a["steady_trajectories_per_s"] and s["steady_trajectories_per_s"] else None)
+        row = {"seed": a["seed"], "ratio": ratio, "bound": phases["bound"],
+               "ratio_of_bound": ratio / phases["bound"] if ratio else None}
+        for which in ("final", "kept"):
+            difference, se, n = paired_by_task(Path(a["run_dir"]), Path(s["run_dir"]), which)
+            row[which] = {"difference": difference, "stderr": se, "n": n,
+                          "within_2se": None if difference is None or se is None else abs(difference) <= 2 * se}
+        rows.append(row)
+    return rows
+
+
 def compare(runs: dict[str, list[dict]], phases: dict) -> dict:
     """async / sync over seeds: mean rates against the bound, and whether both learned as much."""
     def rate(arm: str, key: str) -> float | None:
@@ -175,7 +208,7 @@ def compare(runs: dict[str, list[dict]], phases: dict) -> dict:
             "ratio_whole_run": whole_async / whole_sync if whole_async and whole_sync else None, **phases,
             "ratio_of_bound": ratio / phases["bound"] if ratio else None,
             "learning": {arm: learning(arm_runs) for arm, arm_runs in runs.items()},
-            **gain_difference(runs["async"], runs["sync"])}
+            **gain_difference(runs["async"], runs["sync"]), "per_seed": per_seed(runs)}
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -239,6 +272,13 @@ def main() -> None:
         console.print(f"{setting}: async / sync {_fmt(r['ratio'], '.2f')}x steady ({_fmt(r['ratio_whole_run'], '.2f')}x "
                       f"over the whole run); sync S = {r['S_s']:.1f} s, T = {r['T_s']:.1f} s, bound (S+T)/max(S,T) = "
                       f"{r['bound']:.2f}x; ratio / bound = {_fmt(r['ratio_of_bound'], '.2f')}")
+        for row in r["per_seed"]:
+            versions = "; ".join(
+                f"{which} async - sync {_fmt(row[which]['difference'], '+.3f')} ± {_fmt(row[which]['stderr'])} "
+                f"(n {row[which]['n']}, {'within' if row[which]['within_2se'] else 'NOT within'} 2 s.e.)"
+                for which in ("final", "kept") if row[which]["n"])
+            console.print(f"{setting}: seed {row['seed']}: async / sync {_fmt(row['ratio'], '.2f')}x, bound "
+                          f"{row['bound']:.2f}x, ratio / bound {_fmt(row['ratio_of_bound'], '.2f')}; {versions}")
         if r["heldout_gains_within_2se"] is None:
             console.print(f"{setting}: no held-out figures (run.heldout_eval off?): learning not compared")
             continue

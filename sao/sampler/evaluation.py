@@ -244,6 +244,7 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
     if kept is not None and kept not in (baseline, version):
         kept_scores = base if kept == 0 else scorer.score(kept, tasks)[0]
     final, _ = scorer.score(version, tasks)
+    kept_view = _kept_view(kept, version, base, final, kept_scores)
     paired = [task.task_id for task in tasks if task.task_id in base and task.task_id in final
               and (kept_scores is None or task.task_id in kept_scores)]
     gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [final[t]["first_try"] for t in paired])
@@ -264,8 +265,10 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
         "heldout_second_try_penalised_final": mean(second_tries(final, paired, "second_penalised")),
         "base_version": baseline, "final_version": version, "tasks": len(tasks), "base_cached": base_cached,
         "base_seconds": base_s, "final_seconds": time.perf_counter() - started - base_s,
-        **_kept_figures(kept, version, base, final, kept_scores, paired),
-        "per_task": {t: {"base": base[t], "final": final[t]} for t in paired},
+        **_kept_figures(kept, base, kept_view, paired),
+        # Per task, so that runs on the same tasks can be compared paired by task.
+        "per_task": {t: {"base": base[t], "final": final[t], **({"kept": kept_view[t]} if kept_view else {})}
+                     for t in paired},
     }
     out = RunDir(run_dir).heldout
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -273,12 +276,18 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
     return result
 
 
-def _kept_figures(kept: int | None, final_version: int, base: TaskScores, final: TaskScores,
-                  kept_scores: TaskScores | None, paired: list[str]) -> dict:
-    """The kept (best) version's first-try success and paired gain over the base, on the same tasks."""
+def _kept_view(kept: int | None, final_version: int, base: TaskScores, final: TaskScores,
+               kept_scores: TaskScores | None) -> TaskScores | None:
+    """The kept (best) version's scores: the final's or the base's when it is one of them."""
     if kept is None:
+        return None
+    return final if kept == final_version else base if kept_scores is None else kept_scores
+
+
+def _kept_figures(kept: int | None, base: TaskScores, scores: TaskScores | None, paired: list[str]) -> dict:
+    """The kept version's first-try success and paired gain over the base, on the same tasks."""
+    if kept is None or scores is None:
         return {}
-    scores = final if kept == final_version else base if kept_scores is None else kept_scores
     gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [scores[t]["first_try"] for t in paired])
     return {"kept_version": kept, "heldout_kept": mean([scores[t]["first_try"] for t in paired]),
             "heldout_kept_gain": gain, "heldout_kept_gain_stderr": gain_stderr}

@@ -77,3 +77,25 @@ def test_async_vs_sync_reports_rates_and_the_bound(tmp_path):
     assert pinned["batches"] == 1 and pinned["S_s"] > 0  # the second batch: the first waits for start-up and pinned["T_s"] > 0
     assert head["value"] == pinned["arms"]["async"][0]["steady_trajectories_per_s"]
     assert head["baseline"] == pinned["arms"]["sync"][0]["steady_trajectories_per_s"]
+
+
+def _heldout(run_dir: Path, per_task: dict) -> Path:
+    (run_dir / "eval").mkdir(parents=True)
+    (run_dir / "eval" / "heldout.json").write_text(json.dumps({"per_task": per_task}))
+    return run_dir
+
+
+def test_a_seed_compares_the_two_runs_paired_by_task(tmp_path):
+    bench = _bench()
+
+    def scores(final, kept=None):
+        return {"final": {"first_try": final}, **({"kept": {"first_try": kept}} if kept is not None else {})}
+
+    asynchronous = _heldout(tmp_path / "a", {"t1": scores(1.0, 1.0), "t2": scores(0.0, 1.0), "t3": scores(1.0, 0.0),
+                                             "only-async": scores(1.0, 1.0)})
+    sync = _heldout(tmp_path / "s", {"t1": scores(0.0), "t2": scores(0.0), "t3": scores(1.0)})
+    difference, se, n = bench.paired_by_task(asynchronous, sync, "final")
+    assert n == 3 and difference == pytest.approx(1 / 3)  # tasks both runs scored: +1, 0, 0
+    assert se == pytest.approx(1 / 3)  # sd of (1, 0, 0) is 0.577, over sqrt 3
+    # The sync run kept no version: nothing to pair for "kept".
+    assert bench.paired_by_task(asynchronous, sync, "kept") == (None, None, 0)
