@@ -15,7 +15,9 @@ gains / sqrt(seeds): the run's own randomness) and over tasks (sqrt(sum of squar
 errors) / seeds). Every seed is scored on the same held-out tasks, so the task error does not
 shrink with more seeds; the base model's scores come from the held-out cache after the first run.
 Second tries over seeds: their mean with its error across seeds, and how many seeds beat the base.
-Runs with shadow validation also report the version it kept (best on the validation slice), its
+The JSON keeps each run's steps (`step_signals`: reward, grad norm, KL to the behaviour policy and,
+with `trainer.measure_kl_to_base`, to the base, the sampled tokens' -log pi, the advantages' spread),
+where a collapse can be traced. Runs with shadow validation also report the version it kept (best on the validation slice), its
 held-out gain, drops and rollbacks. `--contended N` runs N seeds at a time, sharing the cores as
 a busy machine would; the spread then matters more than the mean: the worst gain (final and kept)
 and the share of runs below zero are printed beside it.
@@ -56,7 +58,20 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
     steps = json.loads((run_dir / "status" / "trainer.json").read_text()).get("steps") or [{}]
     return {"seed": seed, "wall_s": time.perf_counter() - started, "run_dir": str(run_dir),
             "rollbacks": len(summary.get("rollbacks") or []), "kl_end": steps[-1].get("kl_k3"),
+            "kl_to_base_end": steps[-1].get("kl_to_base"), "steps": [step_signals(step) for step in steps if step],
             **{key: summary.get(key) for key in KEYS}}
+
+
+def step_signals(step: dict) -> dict:
+    """What one optimizer step says about the run's health: the signals a collapse shows in."""
+    advantages, rewards = step.get("advantages") or [], step.get("rewards") or []
+    return {"step": step.get("step"), "version": step.get("policy_version"), "reward_mean": mean(rewards),
+            "first_try": mean(step.get("first_attempt_success") or []), "grad_norm": step.get("grad_norm"),
+            "kl_to_base": step.get("kl_to_base"), "kl_behaviour": step.get("kl_k3"), "token_nll": step.get("token_nll"),
+            "advantage_sd": stderr(advantages) * len(advantages) ** 0.5 if len(advantages) > 1 else None,
+            "advantage_positive": mean([a > 0 for a in advantages]),
+            "advantage_abs_max": max((abs(a) for a in advantages), default=None),
+            "staleness": mean(step.get("staleness") or [])}
 
 
 def _attempt(seed: int, runs_dir: Path, extra: list[str]) -> dict:
@@ -119,7 +134,7 @@ def main() -> None:
         raise SystemExit("every seed failed")
     table = Table(title="default run: greedy first-try success on held-out tasks, base model vs final version")
     for column in ("seed", "n", "base", "final", "gain ± s.e.", "second try: base -> final (n)",
-                   "no new answer: base -> final", "kept v: gain ± s.e.", "drops/rollbacks", "KL end",
+                   "no new answer: base -> final", "kept v: gain ± s.e.", "drops/rollbacks", "KL end", "KL to base end",
                    "reward v first/last", "staleness", "|rho-1|", "shadow cpu / snapshot s", "train s", "wall s"):
         table.add_column(column, justify="right")
     for r in results:
@@ -133,6 +148,7 @@ def main() -> None:
                       f"v{r['kept_version']}/{r['policy_version']}: {r['heldout_kept_gain']:+.3f} ± "
                       f"{_fmt(r['heldout_kept_gain_stderr'], '.3f')}",
                       f"{r['shadow_drops'] or 0}/{r['rollbacks']}", _fmt(r["kl_end"], ".4f"),
+                      _fmt(r["kl_to_base_end"], ".4f"),
                       f"{_fmt(r['reward_first_version'], '.2f')}/{_fmt(r['reward_last_version'], '.2f')}",
                       _fmt(r["staleness_mean"], ".2f"), _fmt(r["importance_ratio_abs_dev_mean"], ".3f"),
                       f"{_fmt(r['shadow_scorer_cpu_s'], '.0f')} / {_fmt(r['shadow_snapshot_s'], '.1f')}",

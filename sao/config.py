@@ -270,6 +270,15 @@ class TrainerConfig(Section):
         False, description="Learn V(context) with a linear head on the LM's last hidden state; each step's advantage "
                            "becomes reward - V (detached, not whitened) instead of reward - running baseline.")
     value_coef: float = Field(0.5, ge=0, description="Weight of the value head's squared error in the loss.")
+    kl_to_base_coef: float = Field(
+        0.0, ge=0, description="Weight of a penalty on KL(current || base policy) over the sampled tokens (k3 "
+                               "estimator, summed per trajectory like the policy loss). Above 0 the trainer keeps a "
+                               "frozen copy of the base policy (one model's weights per rank) and scores every row "
+                               "with it too.")
+    measure_kl_to_base: bool = Field(
+        False, description="Score every row with a frozen copy of the base policy as well, and record the KL of the "
+                           "current policy to it per step (progress file, sao_trainer_kl_to_base) without changing "
+                           "the loss. On whenever kl_to_base_coef is above 0.")
     max_staleness: int = Field(8, ge=0, description="Trajectories more policy versions behind are not trained on (DLQ'd).")
     freshness_decay: float = Field(1.0, gt=0, le=1, description="Loss weight freshness_decay ** staleness.")
     max_abs_reward: float = Field(
@@ -353,6 +362,11 @@ class TrainerConfig(Section):
 
 
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
+
+    @property
+    def keeps_base_policy(self) -> bool:
+        """The trainer scores rows with a frozen copy of the base policy (to measure or penalise KL to it)."""
+        return self.measure_kl_to_base or self.kl_to_base_coef > 0
 
     @property
     def sequence_level_ratio(self) -> bool:

@@ -119,6 +119,10 @@ TRAINER_RATIO = Gauge(
     "Importance ratio rho = pi/mu over the last batch's tokens: stat=mean|abs_dev (mean |rho-1|)|clip_fraction.",
     ["stat"])
 TRAINER_KL = Gauge("sao_trainer_kl_k3", "k3 estimate of KL(mu || pi) over the last batch's tokens.")
+TRAINER_KL_TO_BASE = Gauge("sao_trainer_kl_to_base", "k3 estimate of KL(pi || base policy) over the last batch's "
+                                                     "tokens (trainer.measure_kl_to_base or kl_to_base_coef).")
+TRAINER_TOKEN_NLL = Gauge("sao_trainer_token_nll", "Mean -log pi of the last batch's sampled tokens (an entropy "
+                                                   "estimate: low means a policy sure of its tokens).")
 TRAINER_STALENESS = Histogram(
     "sao_trainer_staleness_versions", "Policy versions between a trajectory's behaviour policy and the trained one.",
     buckets=_VERSIONS)
@@ -224,6 +228,10 @@ def export_trainer_step(record: StepRecord) -> None:
     TRAINER_RATIO.labels(stat="abs_dev").set(record.ratio_abs_dev)
     TRAINER_RATIO.labels(stat="clip_fraction").set(record.clip_fraction)
     TRAINER_KL.set(record.kl_k3)
+    if record.token_nll is not None:
+        TRAINER_TOKEN_NLL.set(record.token_nll)
+    if record.kl_to_base is not None:
+        TRAINER_KL_TO_BASE.set(record.kl_to_base)
     for versions in record.staleness:
         TRAINER_STALENESS.observe(versions)
     for delay in record.sampling_to_training_s:

@@ -22,6 +22,7 @@ def test_sao_run_trains_through_kafka(tmp_path):
                "--set", "run.heldout_cap=3", "--set", f"run.heldout_cache_dir=\"{tmp_path / 'heldout-cache'}\"",
                # Shadow validation on (the suite turns it off by default), on a slice after those 3 tasks.
                "--set", "trainer.shadow_every=1", "--set", "trainer.shadow_tasks=3",
+               "--set", "trainer.measure_kl_to_base=true",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=500, env=shadow_on())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -40,6 +41,10 @@ def test_sao_run_trains_through_kafka(tmp_path):
         f"train/basic_arithmetic/0/{i}" for i in range(tasks))
     assert [step["step"] for step in steps] == list(range(1, summary["trainer_steps"] + 1))
     assert steps[-1]["policy_version"] + 1 == summary["policy_version"]  # each step published one version
+    # Every step scored its rows with the frozen base too; the first step trains the base's own weights.
+    kl = [step["kl_to_base"] for step in json.loads((run_dir / "status" / "trainer.json").read_text())["steps"]]
+    assert len(kl) == summary["trainer_steps"] and kl[0] == pytest.approx(0.0, abs=1e-6)
+    assert all(value is not None and 0 <= value < 1 for value in kl), kl
     # The policy moved, and samplers reloaded it: later trajectories come from newer versions.
     assert summary["trainer_steps"] == tasks // 4
     assert summary["policy_version"] == tasks // 4

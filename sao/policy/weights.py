@@ -8,6 +8,7 @@ anything that would need it, so no check reads more than the previous one allowe
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -237,6 +238,13 @@ def build_policy(config: PolicyConfig, memory_dim: int, value_head: bool = False
     if encoder is not None:
         logger.info(apply_projector_setting(policy.projector, config.projector, config.model, encoder, bottleneck))
     return policy
+
+
+def frozen_copy(policy: MemoryPolicy) -> MemoryPolicy:
+    """A copy of `policy` that never trains (the base policy a KL is measured against)."""
+    frozen = copy.deepcopy(policy).eval()
+    frozen.requires_grad_(False)
+    return frozen
 
 
 def place_for_sampling(policy: MemoryPolicy, device: str = "auto") -> MemoryPolicy:

@@ -115,8 +115,11 @@ def all_rows(plan: BatchPlan, indices: list[int]) -> list[Row]:
 
 
 def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: TrainerConfig,
-              memory_dim: int) -> tuple[torch.Tensor, LossStats]:
-    """Forward the given rows of the plan; with none, one row at weight 0 keeps an idle rank in step."""
+              memory_dim: int, base_policy: torch.nn.Module | None = None) -> tuple[torch.Tensor, LossStats]:
+    """Forward the given rows of the plan; with none, one row at weight 0 keeps an idle rank in step.
+
+    With `base_policy` (a frozen copy of the base) the rows are scored by it too, for the KL to the base.
+    """
     inputs, row_weights, behaviour, temperatures, row_trajectory, returns, freshness = [], [], [], [], [], [], []
     local: dict[int, int] = {}  # trajectory index -> its number within this pass
     steps_of: dict[int, list] = {}
@@ -137,16 +140,20 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
     behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=device)
     for row, row_logprobs in enumerate(behaviour):
         behaviour_logprobs[row, scoring.action_mask[row]] = row_logprobs.to(device)
+    base_logprobs = None
+    if base_policy is not None:
+        with torch.no_grad():
+            base_logprobs = _score(base_policy, scoring, cfg.length_buckets)
     if not cfg.value_head:
         logprobs = _score(engine, scoring, cfg.length_buckets)
         return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask,
                                       torch.tensor(row_weights, device=device),
-                                      torch.tensor(row_trajectory, device=device), normaliser), cfg)
+                                      torch.tensor(row_trajectory, device=device), normaliser, base_logprobs), cfg)
     logprobs, values = _score(engine, scoring, cfg.length_buckets, with_values=True)
     targets = torch.tensor(returns, device=device)
     weights = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
     loss, stats = policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, weights,
-                                         torch.tensor(row_trajectory, device=device), normaliser), cfg)
+                                         torch.tensor(row_trajectory, device=device), normaliser, base_logprobs), cfg)
     live = torch.tensor(freshness, device=device) > 0  # idle-rank padding rows do not train the value head
     value_loss = ((values - targets) ** 2 * live).sum() / normaliser
     total = loss + cfg.value_coef * value_loss

@@ -15,7 +15,7 @@ from sao.trainer.buffer import BufferEntry
 from sao.trainer.objectives import LossStats
 
 # LossStats fields that are means over tokens: merged weighted by each part's token count.
-_PER_TOKEN = ("ratio_mean", "ratio_abs_dev", "clip_fraction", "kl_k3")
+_PER_TOKEN = ("ratio_mean", "ratio_abs_dev", "clip_fraction", "kl_k3", "token_nll", "kl_to_base")
 
 
 def rank() -> int:

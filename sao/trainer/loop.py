@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ from sao.compression.bottleneck import basis_name, describe, resolve_bottleneck,
 from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import turn_credit
-from sao.policy.weights import build_policy
+from sao.policy.weights import build_policy, frozen_copy
 from sao.run_dir import RunDir
 from sao.schema import Trajectory
 from sao.status import StepRecord, attempt_success, process_usage, write_status
@@ -82,6 +83,8 @@ class Trainer:
                               bottleneck)
         validator = TrajectoryValidator.for_model(  # before ZeRO-3 wraps the policy
             policy, self.memory_dim, config, basis_name(bottleneck))
+        # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
+        self.base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
         clock = self._started("model", clock)
         # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
         # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
@@ -304,7 +307,7 @@ class Trainer:
         started = time.perf_counter()
         outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
                              lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_dim,
-                             self.accumulation, lambda: self.stopping)
+                             self.accumulation, lambda: self.stopping, self.base_policy)
         if outcome.interrupted:
             log.info("stopped during a step: its batch of %d goes back to the buffer, untrained", len(batch))
             if self.is_leader:
@@ -349,6 +352,7 @@ class Trainer:
             sampling_to_training_s=[now - t.created_at for t in trajectories],
             loss=stats.loss, ratio_mean=stats.ratio_mean, ratio_abs_dev=stats.ratio_abs_dev,
             clip_fraction=stats.clip_fraction, kl_k3=stats.kl_k3, value_loss=stats.value_loss,
+            token_nll=stats.token_nll, kl_to_base=stats.kl_to_base if math.isfinite(stats.kl_to_base) else None,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), step_s=step_s,
             wait_s=self.phase_s["wait"], forward_backward_s=self.phase_s["forward_backward"],
             optimizer_s=self.phase_s["optimizer"], publish_s=self.phase_s["publish"],

@@ -9,6 +9,10 @@ recorded. Three objectives, selected by `trainer.objective`:
 - masked: like tis, but tokens whose rho leaves [mask_low, mask_high] are dropped, not truncated.
 A row is one step of a trajectory; losses are summed over tokens and averaged over
 trajectories, so long answers do not weigh more per trajectory.
+
+With the base policy's log-probs (`trainer.kl_to_base_coef` or `measure_kl_to_base`), the k3
+estimate of KL(pi_theta || pi_base) over the sampled tokens is reported, and with a coefficient
+added to the loss the same way (GRPO's KL term).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class LossStats:
     kl_k3: float  # k3 estimate of KL(mu || pi): E_mu[(rho - 1) - log rho]
     tokens: int
     value_loss: float = 0.0  # squared error of the value head, when it is on
+    token_nll: float = 0.0  # mean -log pi_theta of the sampled tokens (the current policy's entropy, estimated under mu)
+    kl_to_base: float = float("nan")  # k3 estimate of KL(pi_theta || pi_base); NaN when the base is not scored
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class LossInputs:
     row_weights: torch.Tensor  # [rows] advantage x freshness of the row's trajectory
     row_trajectory: torch.Tensor  # [rows] long: which trajectory of the batch the row belongs to
     num_trajectories: int  # the normaliser (the whole batch, across ranks)
+    base_logprobs: torch.Tensor | None = None  # [rows, L] log pi_base, no grad; None: the base is not scored
 
 
 def _sequence_log_ratio(log_ratio: torch.Tensor, row_trajectory: torch.Tensor, count: int) -> torch.Tensor:
@@ -74,6 +81,14 @@ def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, L
             affected = (weight > cfg.tis_clip).to(mask.dtype)
             weight = torch.clamp(weight, max=cfg.tis_clip)
         per_token = -weight * advantage * inputs.logprobs
+    kl_to_base = None
+    if inputs.base_logprobs is not None:
+        # k3 = r - log r - 1 with r = pi_base / pi_theta: non-negative, unbiased for KL(pi_theta || pi_base)
+        # on tokens drawn from pi_theta (here from mu, which the importance ratios keep close to it).
+        log_r = (inputs.base_logprobs - inputs.logprobs) * mask
+        kl_to_base = (torch.exp(log_r) - log_r - 1) * mask
+        if cfg.kl_to_base_coef > 0:
+            per_token = per_token + cfg.kl_to_base_coef * kl_to_base
     loss = (per_token * mask).sum() / inputs.num_trajectories
     with torch.no_grad():
         token_ratio = torch.exp(token_log_ratio)
@@ -85,6 +100,8 @@ def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, L
             clip_fraction=float((affected * mask).sum() / tokens),
             kl_k3=float((((token_ratio - 1) - token_log_ratio) * mask).sum() / tokens),
             tokens=int(mask.sum()),
+            token_nll=float((-inputs.logprobs * mask).sum() / tokens),
+            kl_to_base=float(kl_to_base.sum() / tokens) if kl_to_base is not None else float("nan"),
         )
     return loss, stats
 

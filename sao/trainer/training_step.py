@@ -54,8 +54,10 @@ class StepOutcome:
 
 
 def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], BatchPlan], cfg: TrainerConfig,
-               memory_dim: int, accumulation: int, stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
+               memory_dim: int, accumulation: int, stop_requested: Callable[[], bool] = lambda: False,
+               base_policy: torch.nn.Module | None = None) -> StepOutcome:
     """Score `plan` and step; `replan` makes the plan of a smaller batch (advantages depend on the batch).
+    `base_policy`: a frozen copy of the base, for the KL to it (`TrainerConfig.keeps_base_policy`).
 
     `stop_requested` is asked between forward passes: a stop (SIGTERM) then waits for one pass at
     most, and the step is abandoned with nothing applied.
@@ -63,7 +65,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     refused: list[tuple[Trajectory, str, str]] = []
     while True:
         try:
-            outcome = _forward_backward_step(engine, plan, cfg, memory_dim, accumulation, stop_requested)
+            outcome = _forward_backward_step(engine, plan, cfg, memory_dim, accumulation, stop_requested, base_policy)
             if outcome.interrupted:
                 return outcome
             break
@@ -95,7 +97,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
 
 
 def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int, accumulation: int,
-                           stop_requested: Callable[[], bool]) -> StepOutcome:
+                           stop_requested: Callable[[], bool], base_policy: torch.nn.Module | None) -> StepOutcome:
     """Forward, backward and optimizer step over the batch: `accumulation` chunks of trajectories,
     shared among the ranks, each scored in passes of at most `trainer.micro_batch_tokens` positions."""
     ranks, count = world_size(), len(plan.trajectories)
@@ -112,7 +114,7 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_d
         # count of micro-steps is off, and the retried batch would step in the middle.
         engine.set_gradient_accumulation_boundary(index == len(passes) - 1)
         t0 = time.perf_counter()
-        loss, stats = rank_loss(engine, plan, rows, normaliser, cfg, memory_dim)
+        loss, stats = rank_loss(engine, plan, rows, normaliser, cfg, memory_dim, base_policy)
         if not torch.isfinite(loss):
             # A NaN seed gradient makes every gradient it reaches NaN: DeepSpeed then skips the
             # step on all ranks, and the gradients of earlier passes go with it.

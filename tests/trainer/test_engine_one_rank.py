@@ -56,3 +56,37 @@ def test_one_rank_step_skips_the_reduce_scatter_and_matches_a_plain_pytorch_step
     # After one update the loss moved, and moved the same way in both: the gradient reached the weights.
     assert abs(bare[1] - bare[0]) > 1e-3
     assert sao[1] == pytest.approx(bare[1], abs=1e-4)
+
+
+BASE_KL = TINY_ENGINE + """
+from sao.policy.weights import frozen_copy
+from sao.trainer.batch import plan_batch
+
+cfg = cfg.model_copy(update={"measure_kl_to_base": True})
+policy = build_policy(config.policy, 384)
+base = frozen_copy(policy)
+before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+engine = build_engine(policy, cfg)
+rng = np.random.default_rng(0)
+batch = [synthetic_trajectory(i, rng) for i in range(cfg.batch_size)]
+plan = plan_batch(batch, RewardBaseline(), cfg, 0)
+kl, nll = [], []
+for _ in range(3):
+    outcome = train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg, 0), cfg, 384,
+                         batch_layout(cfg, 1)[1], base_policy=base)
+    kl.append(outcome.stats.kl_to_base)
+    nll.append(outcome.stats.token_nll)
+unchanged = all(torch.equal(before[name], tensor) for name, tensor in base.state_dict().items())
+print(json.dumps({"kl": kl, "nll": nll, "base_unchanged": unchanged}))
+shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_the_kl_to_the_base_starts_at_zero_and_grows_as_the_policy_trains():
+    found = run_script(BASE_KL)
+    kl = found["kl"]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)  # the first step scores the base's own weights
+    assert 0 < kl[1] < kl[2]  # each update moves the policy further from the frozen base
+    assert found["base_unchanged"]  # ZeRO-3 and the optimizer never touch the copy
+    assert all(value > 0 for value in found["nll"])

@@ -110,3 +110,23 @@ def test_whiten_without_centring_keeps_every_sign():
     assert out.pow(2).mean().item() == pytest.approx(1.0, rel=1e-4)
     assert whiten(torch.tensor([0.0, 0.0]), center=False).tolist() == [0.0, 0.0]
     assert whiten(torch.tensor([-3.0]), center=False).tolist() == pytest.approx([-1.0])
+
+
+def test_kl_to_base_is_measured_and_penalised_only_with_a_coefficient():
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.8)]], requires_grad=True)
+    base = torch.tensor([[math.log(0.25), math.log(0.8)]])  # r = base / pi = 0.5 on the first token, 1 on the second
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    k3 = 0.5 - math.log(0.5) - 1  # the second token's k3 is 0
+    inputs = LossInputs(logprobs, logprobs.detach().clone(), mask, torch.tensor([0.0]), torch.tensor([0]), 1, base)
+    loss, stats = policy_loss(inputs, TrainerConfig())
+    assert loss.item() == pytest.approx(0.0)  # measured only: advantage 0 leaves no loss
+    assert stats.kl_to_base == pytest.approx(k3 / 2, rel=1e-5)
+    assert stats.token_nll == pytest.approx(-(math.log(0.5) + math.log(0.8)) / 2, rel=1e-6)
+    loss, stats = policy_loss(inputs, TrainerConfig(kl_to_base_coef=0.1))
+    assert loss.item() == pytest.approx(0.1 * k3, rel=1e-5)  # summed over the trajectory's tokens
+    loss.backward()
+    # d/dlogpi of (r - log r - 1) with log r = base - logpi: 1 - r; pulls pi towards the base.
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.1 * (1 - 0.5), 0.0], abs=1e-6)
+    # Without the base's log-probs nothing is measured.
+    _, stats = _loss(logprobs.detach(), logprobs.detach(), mask, [1.0])
+    assert math.isnan(stats.kl_to_base)
