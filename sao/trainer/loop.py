@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from sao.envs.registry import turn_credit
 from sao.policy.weights import build_policy, frozen_copy
 from sao.run_dir import RunDir
 from sao.schema import Trajectory
-from sao.status import StepRecord, attempt_success, process_usage, write_status
+from sao.status import StepRecord, TrainerProgress, attempt_success, process_usage, write_status
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards, turn_returns
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
@@ -210,7 +210,7 @@ class Trainer:
                 self.shadow.finish(self.state.policy_version)
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
-            self.finished = self.is_leader and self._all_handled(expected_trajectories) and len(self.buffer) == 0
+            self.finished = self.is_leader and self._progress(expected_trajectories).done(expected_trajectories)
         except BrokerGone as gone:
             gone.in_flight = self._in_flight(checkpointed_at)
             raise
@@ -224,48 +224,39 @@ class Trainer:
             if self.shadow is not None:
                 self.shadow.stop()
             shutdown()
-        return self.status()
+        return self.status(finished=self.finished)
 
     # --- consuming (rank 0) -------------------------------------------------------------
 
-    def _handled(self) -> int:
-        """Trajectories trained on or dead-lettered by this trainer, in every life (what a checkpoint keeps)."""
-        return self.handled_before_start + self.stream.counters.handled
+    def _progress(self, expected: int | None = None, finished: bool = False) -> TrainerProgress:
+        """What this trainer handled (sao/status.py). Rank 0 counts the stream; other ranks only their steps.
 
-    def _tasks_dead_lettered(self) -> int:
-        """Task messages samplers dead-lettered whose trajectory this trainer has not met (see DeadLetteredTasks)."""
-        return self.dead_tasks.count(self.stream.seen_ids)
-
-    def _done_with(self) -> int:
-        """Trajectories handled here plus those that will never come (their task was dead-lettered)."""
-        return self._handled() + self._tasks_dead_lettered()
-
-    def _all_handled(self, expected: int | None) -> bool:
-        """Every expected trajectory was handled here, or will never come: its task was dead-lettered.
-
-        The dead-letter topic is read only while something is still missing, every few seconds.
+        While `expected` trajectories are not all handled, rank 0 first reads the tasks samplers
+        dead-lettered since it last looked; the dead-letter topic is read every few seconds at most.
         """
-        if expected is None:
-            return False
-        if self._done_with() < expected:
+        own = TrainerProgress(step=self.state.step, policy_version=self.state.policy_version,
+                              trajectories_trained=sum(record.batch_size for record in self.steps), finished=finished)
+        if not self.is_leader:
+            return own
+        progress = self._counted(own)
+        if expected is not None and not progress.all_handled(expected):
             self.dead_tasks.refresh()
-        return self._done_with() >= expected
+            progress = self._counted(own)
+        return progress
 
-    def _released_batch_handled(self) -> bool:
-        """run.mode = sync: all of the batch the feeder released is here or dead-lettered, so train it as it is.
-
-        The feeder releases trainer.batch_size task attempts at a time, the next only after this
-        batch's step; so once the handled count is a whole multiple of it, nothing more is coming.
-        """
-        return (self.config.run.mode == "sync" and len(self.buffer) > 0
-                and self._done_with() % self.config.trainer.batch_size == 0)
+    def _counted(self, own: TrainerProgress) -> TrainerProgress:
+        # A dead-lettered task whose trajectory was met here counts as that trajectory only.
+        task_reasons = self.dead_tasks.reasons(self.stream.seen_ids)
+        return replace(own, **self.stream.counters.counts(), tasks_dead_lettered=sum(task_reasons.values()),
+                       task_dlq_reasons=task_reasons, handled_before_start=self.handled_before_start,
+                       buffered=len(self.buffer))
 
     def _should_stop(self, expected: int | None) -> bool:
         if not self.is_leader:
             return False  # only rank 0's answer is broadcast
         max_steps = self.config.trainer.max_steps
         return (self.stopping or (max_steps is not None and self.state.step >= max_steps)
-                or (self._all_handled(expected) and len(self.buffer) == 0))
+                or self._progress(expected).done(expected))
 
     def _collect(self, expected: int | None) -> list[BufferEntry] | None:
         """Rank 0: the next batch's buffer entries (empty when training should stop)."""
@@ -276,7 +267,10 @@ class Trainer:
             self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
             for entry in self.buffer.evict_stale(self.state.policy_version, cfg.max_staleness):
                 self.stream.reject_stale(entry, self.state.policy_version)
-            entries = self._take(all_arrived=self._all_handled(expected) or self._released_batch_handled())
+            progress = self._progress(expected)
+            # sync: the feeder released one batch; once all of it is handled, nothing more comes before its step.
+            released = self.config.run.mode == "sync" and progress.released_batch_handled(cfg.batch_size)
+            entries = self._take(all_arrived=progress.all_handled(expected) or released)
             if entries:
                 return entries
             for entry in self.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
@@ -424,16 +418,12 @@ class Trainer:
         self.state.broker_cluster_id = self.broker_watch.cluster_id
         # Buffered trajectories will be re-read after a resume, so they must not count as seen.
         self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
-        self.state.handled = self._handled_and_settled()
-
-    def _handled_and_settled(self) -> int:
-        """Rank 0: handled, less what is still buffered (a resume reads that again): what a checkpoint counts."""
-        return self._handled() - len(self.buffer)
+        self.state.handled = self._progress().settled
 
     def _handled_since_checkpoint(self) -> bool:
         """Rank 0: messages were handled (dead-lettered: no step came after) since the last checkpoint."""
         return (self.is_leader and has_checkpoint(self.run_dir.checkpoints)
-                and self._handled_and_settled() > self.state.handled)
+                and self._progress().handled_since(self.state.handled))
 
     def _record_dead_letters(self) -> None:
         """Rank 0, at a stop with no step since the last checkpoint: bring its offsets and counts up to date.
@@ -461,19 +451,13 @@ class Trainer:
             with open(self.run_dir.ledger, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
-    def status(self) -> dict:
-        counters = self.stream.counters if self.is_leader else None
-        return {"step": self.state.step, "policy_version": self.state.policy_version,
-                "trajectories_trained": sum(record.batch_size for record in self.steps),
-                "consumed": counters.consumed if counters else 0, "duplicates": counters.duplicates if counters else 0,
-                "dead_lettered": counters.dead_lettered if counters else 0,
-                # Distinct task messages samplers dead-lettered (never trained here), read from the DLQ.
-                "tasks_dead_lettered": self._tasks_dead_lettered() if counters else 0,
-                "task_dlq_reasons": self.dead_tasks.reasons(self.stream.seen_ids) if counters else {},
-                "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
-                "skipped_steps": self.skipped_steps,
+    def status(self, finished: bool = False) -> dict:
+        """The progress file's fields: the trainer's progress, its steps, and what it cost."""
+        return {**self._progress(finished=finished).as_status(), "skipped_steps": self.skipped_steps,
                 "shadow": self.shadow.status() if self.shadow is not None else None,
-                "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
+                # Seconds rank 0 spent polling the trajectory topic.
+                "wait_s": self.stream.counters.wait_s if self.is_leader else 0.0,
+                "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
                 **process_usage(), "idle_s": self.idle_s,
                 "run_s": time.perf_counter() - self.run_started if self.run_started is not None else 0.0,
@@ -481,7 +465,7 @@ class Trainer:
 
     def _write_status(self, finished: bool = False) -> None:
         name = "trainer" if self.is_leader else f"trainer-rank{rank()}"
-        write_status(self.run_dir.status(name), {**self.status(), "finished": finished})
+        write_status(self.run_dir.status(name), self.status(finished))
 
 
 def _in_background(function: Callable, *args) -> Future:
