@@ -1,7 +1,8 @@
 """The trainer process: consume -> buffer -> batch -> loss -> ZeRO-3 step -> (publish) -> commit -> (checkpoint).
 
 `Trainer.run` reads top to bottom; every arrow is one call. Rank 0 is the only Kafka consumer
-and broadcasts each batch to the other ranks. The trainer never waits for a particular
+and broadcasts each batch to the other ranks; its broker I/O is one `LeaderIO` (sao/trainer/leader_io.py),
+None on the other ranks. The trainer never waits for a particular
 sampler: it trains on whatever fresh trajectories Kafka holds, in arrival order (or by priority).
 """
 
@@ -16,7 +17,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -44,16 +45,13 @@ from sao.trainer.checkpoint import (
 )
 from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
+from sao.trainer.leader_io import LeaderIO
 from sao.trainer.publisher import PolicyPublisher
-from sao.trainer.run_cluster import bind_run_to_cluster
 from sao.trainer.shadow_validation import ShadowValidation
 from sao.trainer.training_step import StepOutcome, train_step
-from sao.trainer.trajectory_stream import TrajectoryStream
 from sao.trainer.validation import TrajectoryValidator
 from sao.transport.announcements import latest_announced_version, read_announce_key
-from sao.transport.dlq import DeadLetteredTasks, DeadLetterQueue
-from sao.transport.health import BrokerGone, BrokerWatch
-from sao.transport.kafka import RenewingProducer
+from sao.transport.health import BrokerGone
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +69,37 @@ class Trainer:
             if config.trainer.shadow_every else None
         # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
         self.startup_s: dict[str, float] = {}
-        clock = time.perf_counter()
-        # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
+        self._phase_started = time.perf_counter()
         resuming = resume and has_checkpoint(self.run_dir.checkpoints)
+        # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
         verified = _in_background(verify_checkpoint, self.run_dir.checkpoints) if resuming else None
+        validator = self._build_engine()
+        restored = self._restore(bootstrap, resume, resuming, verified)
+        self.baseline = self._reward_baseline()
+        # Rank 0 alone talks to the broker: the other ranks get each batch from it.
+        self.io = LeaderIO.open(config, bootstrap, self.run_dir, self.state, restored, resume, validator) \
+            if rank() == 0 else None
+        self.publisher = self._policy_publisher()
+        self.buffer = self._replay_buffer()
+        self.steps: list[StepRecord] = []  # this life's steps, in the progress file
+        self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
+        self.run_started: float | None = None  # perf_counter at the start of `run`
+        self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
+        self.stopping = False
+        self.finished = False
+        signal.signal(signal.SIGTERM, self._stop)
+        if self.is_leader:
+            metrics.record_trainer_start(max_staleness=config.trainer.max_staleness,
+                                         policy_version=self.state.policy_version)
+            if resume:
+                self._ledger({"resumed_from_step": self.state.step})
+        self._started("kafka_clients")
+        log.info("trainer ready in %.1f s since its process started (%s)", time.time() - _process_started_at(),
+                 ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.startup_s.items()))
+
+    def _build_engine(self) -> TrajectoryValidator:
+        """The policy (and its frozen base copy), then the ZeRO-3 engine; returns the policy's validator."""
+        config = self.config
         full_width = encoder_dim(config.compression.encoder)  # read from the encoder's folder: no model load
         bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder_name(config.compression.encoder))
         self.memory_dim = slot_width(bottleneck, full_width)
@@ -85,72 +110,63 @@ class Trainer:
             policy, self.memory_dim, config, basis_name(bottleneck))
         # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
         self.base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
-        clock = self._started("model", clock)
+        self._started("model")
         # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
         # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
         gc.freeze()
         self.engine = build_engine(policy, config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
-        clock = self._started("engine", clock)
+        self._started("engine")
+        return validator
+
+    def _restore(self, bootstrap: str, resume: bool, resuming: bool, verified: Future | None) -> TrainerState | None:
+        """`self.state`: the latest checkpoint's on `resume` (its engine state loaded), else a fresh one.
+        Returns the restored state, None without one."""
+        config = self.config
         # The policy topic is read to its end (a quiet second) while the checkpoint loads.
         announced = _in_background(latest_announced_version, bootstrap, config.topics.policy,
                                    config.sampler.max_version_jump, read_announce_key(self.run_dir.policy_dir)) \
             if resuming and rank() == 0 else None
         restored = load_checkpoint(self.engine, self.run_dir.checkpoints, verified) if resume else None
-        clock = self._started("checkpoint", clock)
+        self._started("checkpoint")
         self.state = restored or TrainerState()
         if restored:
             self.state.policy_version = self._next_free_version(announced)
-        self.handled_before_start = self.state.handled  # trained or dead-lettered by earlier lives
-        self.baseline = RewardBaseline(config.trainer.baseline_key, config.trainer.baseline_momentum)
+        return restored
+
+    def _reward_baseline(self) -> RewardBaseline:
+        baseline = RewardBaseline(self.config.trainer.baseline_key, self.config.trainer.baseline_momentum)
         if self.state.baseline:
-            self.baseline.load_state_dict(self.state.baseline)
-        self.is_leader = rank() == 0
-        self.broker_watch = BrokerWatch(bootstrap, "trainer", config.broker.loss_timeout_s) if self.is_leader else None
-        if restored and self.is_leader:  # its offsets mean nothing in another cluster's (empty) log
-            self.broker_watch.expect_cluster(restored.broker_cluster_id, f"checkpoint step {restored.step}")
-        if self.is_leader:  # with or without a checkpoint, a resume on another cluster is refused
-            bind_run_to_cluster(self.run_dir, self.broker_watch, resume)
-        self.committed_offsets: dict[int, int] = {}  # this life's last commit, named if the broker is lost
-        self.producer = RenewingProducer(bootstrap, self.broker_watch) if self.is_leader else None
-        self.publisher = PolicyPublisher(self.producer, config.topics.policy, self.run_dir,
-                                         config.trainer.keep_versions, config.trainer.publish_dtype,
-                                         config.trainer.publish_deltas, config.trainer.snapshot_every)
-        self.buffer = ReplayBuffer(config.trainer.max_reuse, config.trainer.priority_exponent,
-                                   config.trainer.freshness_decay)
+            baseline.load_state_dict(self.state.baseline)
+        return baseline
+
+    def _policy_publisher(self) -> PolicyPublisher:
+        cfg = self.config.trainer
+        publisher = PolicyPublisher(self.io.producer if self.io is not None else None, self.config.topics.policy,
+                                    self.run_dir, cfg.keep_versions, cfg.publish_dtype, cfg.publish_deltas,
+                                    cfg.snapshot_every)
+        if self.shadow is not None:
+            publisher.pinned = self.shadow.pinned
+        return publisher
+
+    def _replay_buffer(self) -> ReplayBuffer:
+        cfg = self.config.trainer
+        buffer = ReplayBuffer(cfg.max_reuse, cfg.priority_exponent, cfg.freshness_decay)
         if self.state.rng:  # a resumed run draws the same random numbers it would have drawn
             torch.set_rng_state(torch.tensor(self.state.rng["torch"], dtype=torch.uint8))
-            self.buffer.rng.setstate(_tupled(self.state.rng["replay"]))
-        self.stream = TrajectoryStream(bootstrap, config.topics.trajectories,
-                                       DeadLetterQueue(self.producer, config.topics.dlq),
-                                       config.trainer.max_staleness, validator,
-                                       self.state.offsets if restored else None, set(self.state.seen_trajectory_ids),
-                                       config.topics.trainer_group,
-                                       self.state.refused_offsets) if self.is_leader else None
-        # Tasks samplers dead-lettered: their trajectories never come, yet they count as handled.
-        self.dead_tasks = DeadLetteredTasks(bootstrap, config.topics.dlq, config.topics.tasks) if self.is_leader else None
-        self.steps: list[StepRecord] = []  # this life's steps, in the progress file
-        self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
-        self.run_started: float | None = None  # perf_counter at the start of `run`
-        self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
-        if self.shadow is not None:
-            self.publisher.pinned = self.shadow.pinned
-        self.stopping = False
-        self.finished = False
-        signal.signal(signal.SIGTERM, self._stop)
-        if self.is_leader:
-            metrics.record_trainer_start(max_staleness=config.trainer.max_staleness,
-                                         policy_version=self.state.policy_version)
-        if resume and self.is_leader:
-            self._ledger({"resumed_from_step": self.state.step})
-        self._started("kafka_clients", clock)
-        log.info("trainer ready in %.1f s since its process started (%s)", time.time() - _process_started_at(),
-                 ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.startup_s.items()))
+            buffer.rng.setstate(_tupled(self.state.rng["replay"]))
+        return buffer
 
-    def _started(self, phase: str, since: float) -> float:
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the one rank that consumes, commits, dead-letters and writes the ledger."""
+        return self.io is not None
+
+    def _started(self, phase: str) -> None:
+        """Close start-up phase `phase`: the seconds since the previous one closed."""
         now = time.perf_counter()
-        self.startup_s[phase] = now - since
-        return now
+        self.startup_s[phase] = now - self._phase_started
+        self._phase_started = now
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
@@ -216,11 +232,8 @@ class Trainer:
             raise
         finally:
             self._write_status(finished=self.finished)
-            if self.is_leader:
-                self.stream.close()
-                self.dead_tasks.close()
-                self.producer.flush(10)
-                self.broker_watch.close()
+            if self.io is not None:
+                self.io.close()
             if self.shadow is not None:
                 self.shadow.stop()
             shutdown()
@@ -232,24 +245,11 @@ class Trainer:
         """What this trainer handled (sao/status.py). Rank 0 counts the stream; other ranks only their steps.
 
         While `expected` trajectories are not all handled, rank 0 first reads the tasks samplers
-        dead-lettered since it last looked; the dead-letter topic is read every few seconds at most.
+        dead-lettered since it last looked.
         """
         own = TrainerProgress(step=self.state.step, policy_version=self.state.policy_version,
                               trajectories_trained=sum(record.batch_size for record in self.steps), finished=finished)
-        if not self.is_leader:
-            return own
-        progress = self._counted(own)
-        if expected is not None and not progress.all_handled(expected):
-            self.dead_tasks.refresh()
-            progress = self._counted(own)
-        return progress
-
-    def _counted(self, own: TrainerProgress) -> TrainerProgress:
-        # A dead-lettered task whose trajectory was met here counts as that trajectory only.
-        task_reasons = self.dead_tasks.reasons(self.stream.seen_ids)
-        return replace(own, **self.stream.counters.counts(), tasks_dead_lettered=sum(task_reasons.values()),
-                       task_dlq_reasons=task_reasons, handled_before_start=self.handled_before_start,
-                       buffered=len(self.buffer))
+        return self.io.progress(len(self.buffer), own, expected) if self.io is not None else own
 
     def _should_stop(self, expected: int | None) -> bool:
         if not self.is_leader:
@@ -262,18 +262,18 @@ class Trainer:
         """Rank 0: the next batch's buffer entries (empty when training should stop)."""
         if not self.is_leader:
             return None
-        cfg = self.config.trainer
+        cfg, io = self.config.trainer, self.io
         while not self._should_stop(expected):
-            self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
+            io.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
             for entry in self.buffer.evict_stale(self.state.policy_version, cfg.max_staleness):
-                self.stream.reject_stale(entry, self.state.policy_version)
+                io.stream.reject_stale(entry, self.state.policy_version)
             progress = self._progress(expected)
             # sync: the feeder released one batch; once all of it is handled, nothing more comes before its step.
             released = self.config.run.mode == "sync" and progress.released_batch_handled(cfg.batch_size)
             entries = self._take(all_arrived=progress.all_handled(expected) or released)
             if entries:
                 return entries
-            for entry in self.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
+            for entry in io.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
                 self.buffer.add(entry)
         return []
 
@@ -328,7 +328,7 @@ class Trainer:
         by_id = {entry.trajectory.trajectory_id: entry for entry in entries}
         for trajectory, reason, detail in refused:
             entry = by_id[trajectory.trajectory_id]
-            self.stream.refuse(entry, reason, detail)
+            self.io.stream.refuse(entry, reason, detail)
             self.buffer.discard(entry)
 
     def _record(self, outcome: StepOutcome, trained_version: int) -> None:
@@ -394,31 +394,17 @@ class Trainer:
         event = self.shadow.roll_back(self.engine, back_to, publish, self.state.step, self.state.policy_version)
         self._ledger({"rollback": event})
 
-    def _safe_offsets(self) -> dict[int, int]:
-        return self.stream.safe_offsets(self.buffer.low_water_marks())
-
     def _commit(self) -> None:
-        if self.is_leader:
-            offsets = self._safe_offsets()
-            self.broker_watch.retry(lambda: self.stream.commit(offsets), "commit trajectory offsets")
-            self.committed_offsets = offsets
+        if self.io is not None:
+            self.io.commit(self.buffer)
 
     def _in_flight(self, checkpointed_at: int) -> str:
         """What this trainer held when the broker went: buffered data, offsets, and training since the checkpoint."""
         since = self.state.step - checkpointed_at
+        committed = self.io.committed_offsets if self.io is not None else {}
         return (f"{len(self.buffer)} trajectories buffered and not trained on; step {self.state.step}, last committed "
-                f"offsets {self.committed_offsets or 'none in this life'}; last checkpoint at step {checkpointed_at} "
+                f"offsets {committed or 'none in this life'}; last checkpoint at step {checkpointed_at} "
                 f"(offsets {self.state.offsets})" + (f", so a resume retrains the {since} step(s) after it" if since else ""))
-
-    def _take_stream_state(self) -> None:
-        """Rank 0: where the trajectory stream stands, into `self.state` (what a resume restarts from)."""
-        held = self.buffer.held_ids()
-        self.state.offsets = self._safe_offsets()
-        self.state.refused_offsets = self.stream.refused_above(self.state.offsets)
-        self.state.broker_cluster_id = self.broker_watch.cluster_id
-        # Buffered trajectories will be re-read after a resume, so they must not count as seen.
-        self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
-        self.state.handled = self._progress().settled
 
     def _handled_since_checkpoint(self) -> bool:
         """Rank 0: messages were handled (dead-lettered: no step came after) since the last checkpoint."""
@@ -430,12 +416,12 @@ class Trainer:
 
         Otherwise a resume would read those messages again and dead-letter each a second time.
         """
-        self._take_stream_state()
+        self.io.note_in(self.state, self.buffer)
         update_checkpoint_state(self.run_dir.checkpoints, self.state)
 
     def _checkpoint(self) -> int:
-        if self.is_leader:
-            self._take_stream_state()
+        if self.io is not None:
+            self.io.note_in(self.state, self.buffer)
         self.state.baseline = self.baseline.state_dict()
         self.state.rng = {"torch": torch.get_rng_state().tolist(), "replay": _jsonable(self.buffer.rng.getstate())}
         started = time.perf_counter()
@@ -456,7 +442,7 @@ class Trainer:
         return {**self._progress(finished=finished).as_status(), "skipped_steps": self.skipped_steps,
                 "shadow": self.shadow.status() if self.shadow is not None else None,
                 # Seconds rank 0 spent polling the trajectory topic.
-                "wait_s": self.stream.counters.wait_s if self.is_leader else 0.0,
+                "wait_s": self.io.stream.counters.wait_s if self.io is not None else 0.0,
                 "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
                 **process_usage(), "idle_s": self.idle_s,
