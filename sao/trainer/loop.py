@@ -1,9 +1,10 @@
 """The trainer process: consume -> buffer -> batch -> loss -> ZeRO-3 step -> (publish) -> commit -> (checkpoint).
 
 `Trainer.run` reads top to bottom; every arrow is one call. Rank 0 is the only Kafka consumer
-and broadcasts each batch to the other ranks; its broker I/O is one `LeaderIO` (sao/trainer/leader_io.py),
-None on the other ranks. The trainer never waits for a particular
-sampler: it trains on whatever fresh trajectories Kafka holds, in arrival order (or by priority).
+and broadcasts each batch to the other ranks; its broker I/O is one `LeaderIO`
+(sao/trainer/leader_io.py), None on the other ranks. What it has handled, and so when it stops,
+is one `TrainerProgress` (sao/status.py). The trainer never waits for a particular sampler: it
+trains on whatever fresh trajectories Kafka holds, in arrival order (or by priority).
 """
 
 from __future__ import annotations
