@@ -92,11 +92,12 @@ def read_all_status(directory: Path, prefix: str) -> dict[str, dict[str, Any]]:
 class TrainerProgress:
     """What the trainer has handled, as counts: the one place that says whether it is done.
 
-    A trajectory is handled once it is trained on or dead-lettered; a task a sampler dead-lettered
-    is done with too, since its trajectory never comes (sao/transport/dlq.py). Rank 0 counts the
-    stream's messages; other ranks write only their steps. The trainer asks it when to stop and
-    what a checkpoint stores; the feeder, the launcher and the report read it back from the
-    trainer's progress file (`from_status`), whose keys are its field names.
+    A trajectory is handled once the trainer has taken it into its buffer (to be trained on) or
+    dead-lettered it; a task a sampler dead-lettered is done with too, since its trajectory never
+    comes (sao/transport/dlq.py). Rank 0 counts the stream's messages; other ranks write only their
+    steps. The trainer asks it when to stop and what a checkpoint stores; the feeder, the launcher,
+    the report and `sao audit` read it back from the trainer's progress file (`from_status`),
+    whose keys are its field names.
     """
 
     step: int = 0
