@@ -31,7 +31,7 @@ from rich.text import Text
 from sao.config import SaoConfig
 from sao.run_dir import RunDir
 from sao.schema import SchemaError, Task, Trajectory, decode
-from sao.status import read_status
+from sao.status import TrainerProgress, read_status
 from sao.transport.dlq import describe_dlq_message
 from sao.transport.health import cluster_id_of
 from sao.transport.kafka import iter_all
@@ -158,7 +158,7 @@ def audit(config: SaoConfig, run_dir: RunDir, bootstrap: str, finished: bool | N
     scan = scan_topics(config, bootstrap, timeout, quiet_period)
     ledger = read_ledger(run_dir.ledger)
     checkpoint = _latest_checkpoint_state(run_dir)
-    finished = bool(read_status(run_dir.status("trainer")).get("finished")) if finished is None else finished
+    finished = TrainerProgress.read(run_dir.status("trainer")).finished if finished is None else finished
     report = classify(scan, ledger, checkpoint, finished, config.trainer.max_reuse, config.topics.dlq)
     current = cluster_id_of(bootstrap)
     for recorded, where in ((run_dir.recorded_cluster_id(), f"the run started on ({run_dir.cluster_id.name})"),

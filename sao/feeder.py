@@ -59,13 +59,6 @@ def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int =
     return sent
 
 
-def handled_by_trainer(trainer_status: dict) -> int:
-    """Task attempts done with, from the trainer's progress file: trained on, dead-lettered by the trainer,
-    or dead-lettered as a task by a sampler (its trajectory never comes; counted once, sao/transport/dlq.py)."""
-    return (trainer_status.get("trajectories_trained", 0) + trainer_status.get("dead_lettered", 0)
-            + trainer_status.get("tasks_dead_lettered", 0))
-
-
 class Feeder:
     """Feeds `run.num_tasks` tasks in waves, whole tasks at a time, as the trainer catches up."""
 
@@ -81,7 +74,7 @@ class Feeder:
 
     def top_up(self, handled: int, policy_version: int = 0) -> int:
         """Feed as many whole tasks as keep at most `cap` trajectories in flight, given how many
-        the trainer has `handled` (`handled_by_trainer`); returns the messages sent.
+        the trainer has `handled` (`TrainerProgress.out_of_flight`); returns the messages sent.
 
         sync: `policy_version` is the trainer's newest published version, read together with `handled`.
         """

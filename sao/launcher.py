@@ -24,10 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import env_class
-from sao.feeder import Feeder, attempts_per_task, handled_by_trainer
+from sao.feeder import Feeder, attempts_per_task
 from sao.report import build_summary, summary_table, write_report
 from sao.run_dir import RunDir
 from sao.status import (
+    TrainerProgress,
     own_cpu_seconds,
     per_trajectory,
     process_cpu_seconds,
@@ -109,7 +110,7 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
     run_dir.heldout.unlink(missing_ok=True)  # a reused run directory must not report an earlier run's figures
     if not config.run.heldout_eval:
         return
-    final = read_status(run_dir.status("trainer")).get("policy_version", 0)
+    final = TrainerProgress.read(run_dir.status("trainer")).policy_version
     if not final:
         console.print("[yellow]no policy version was published: the held-out comparison is skipped[/]")
         return
@@ -187,24 +188,25 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
     """Feed tasks under backpressure and show progress until the trainer exits; fail fast if a process dies."""
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}")]
-    with Progress(*columns, console=console, transient=False) as progress:
-        produced_bar = progress.add_task("produced", total=feeder.total, info="")
-        trained_bar = progress.add_task("trained ", total=feeder.total, info="")
+    with Progress(*columns, console=console, transient=False) as bars:
+        produced_bar = bars.add_task("produced", total=feeder.total, info="")
+        trained_bar = bars.add_task("trained ", total=feeder.total, info="")
         last_progress, progressed_at = None, time.time()
         while True:
             samplers = read_all_status(run_dir.status_dir, "sampler-")
             trainer = read_status(run_dir.status("trainer"))
-            if feeder.top_up(handled=handled_by_trainer(trainer), policy_version=trainer.get("policy_version", 0)):
+            progress = TrainerProgress.from_status(trainer)
+            if feeder.top_up(handled=progress.out_of_flight, policy_version=progress.policy_version):
                 # What the run fed, for `sao audit` to hold against a broker that may have lost it.
                 write_status(run_dir.status("feeder"), {"mode": "sync" if feeder.sync else "async", "fed": feeder.fed,
                                                         **({"releases": feeder.releases} if feeder.sync else {})})
             produced = sum(s.get("produced", 0) for s in samplers.values())
             versions = ",".join(f"v{s.get('policy_version', 0)}" for s in samplers.values())
-            progress.update(produced_bar, completed=produced, info=f"samplers on {versions or '-'}")
+            bars.update(produced_bar, completed=produced, info=f"samplers on {versions or '-'}")
             recent = per_trajectory(trainer_steps(trainer), "rewards")[-16:]
-            progress.update(trained_bar, completed=trainer.get("trajectories_trained", 0),
-                            info=f"step {trainer.get('step', 0)} policy v{trainer.get('policy_version', 0)} "
-                                 f"reward(last 16) {sum(recent) / max(len(recent), 1):.2f}")
+            bars.update(trained_bar, completed=progress.trajectories_trained,
+                        info=f"step {progress.step} policy v{progress.policy_version} "
+                             f"reward(last 16) {sum(recent) / max(len(recent), 1):.2f}")
             if processes["trainer"].poll() is not None:
                 break
             for name, proc in processes.items():
@@ -227,9 +229,9 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
 def _progress(samplers: dict[str, dict], trainer: dict) -> tuple:
     """What changes while a run does work: a stall is a run where none of it changes."""
     sampler_work = sum(s.get("produced", 0) + s.get("dead_lettered", 0) for s in samplers.values())
+    progress = TrainerProgress.from_status(trainer)
     scores = len((trainer.get("shadow") or {}).get("scores", {}))
-    return (sampler_work, trainer.get("trajectories_trained", 0), trainer.get("dead_lettered", 0),
-            trainer.get("step", 0), scores)
+    return sampler_work, progress.trajectories_trained, progress.dead_lettered, progress.step, scores
 
 
 def _run_cpus(config: SaoConfig) -> set[int]:

@@ -23,7 +23,7 @@ from rich.table import Table
 from sao.config import SaoConfig
 from sao.run_dir import RunDir
 from sao.stats import finite, mean, percentile, stderr
-from sao.status import StepRecord, per_trajectory, read_all_status, read_status, trainer_steps
+from sao.status import StepRecord, TrainerProgress, per_trajectory, read_all_status, read_status, trainer_steps
 
 PLOTS = ("reward", "throughput", "staleness", "compression_ratio", "training")
 
@@ -179,6 +179,7 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
     layout = RunDir(run_dir)
     samplers = read_all_status(layout.status_dir, "sampler-")
     trainer = read_status(layout.status("trainer"))
+    progress = TrainerProgress.from_status(trainer)
     steps = trainer_steps(trainer)
     rewards = per_trajectory(steps, "rewards")
     versions = per_trajectory(steps, "behaviour_versions")
@@ -192,11 +193,11 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "attempts_by_version": attempts_by_version(steps),
         "trajectories_produced": sum(s.get("produced", 0) for s in samplers.values()),
         "trajectories_trained": len(rewards),
-        "duplicates_dropped": trainer.get("duplicates", 0),
+        "duplicates_dropped": progress.duplicates,
         "tasks_fed": config.run.num_tasks,
         "algorithm": "sao" if config.trainer.algorithm == "sao" else f"grpo (group {config.trainer.group_size})",
-        "trainer_steps": trainer.get("step", 0),
-        "policy_version": trainer.get("policy_version", 0),
+        "trainer_steps": progress.step,
+        "policy_version": progress.policy_version,
         "max_behaviour_version": max(versions, default=0),
         "trajectories_from_reloaded_policy": sum(1 for v in versions if v > 0),
         "sampler_reloads": sum(s.get("reloads", 0) for s in samplers.values()),
@@ -205,10 +206,10 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "importance_ratio_abs_dev_mean": mean([r.ratio_abs_dev for r in steps]),
         "grad_norm_mean": mean([r.grad_norm for r in steps]),
         "staleness_mean": mean(per_trajectory(steps, "staleness")),
-        "dead_lettered": trainer.get("dead_lettered", 0) + sum(s.get("dead_lettered", 0) for s in samplers.values()),
+        "dead_lettered": progress.dead_lettered + sum(s.get("dead_lettered", 0) for s in samplers.values()),
         # Task messages samplers dead-lettered, each once (the sum above counts a redelivered one per sampler)
         # and none whose trajectory was trained after all: the trainer reads them back from the DLQ.
-        "tasks_dead_lettered": trainer.get("tasks_dead_lettered", 0),
+        "tasks_dead_lettered": progress.tasks_dead_lettered,
         "trainer_wait_s": trainer.get("wait_s"),
         "trainer_peak_rss_mb": trainer.get("peak_rss_mb"),
         "sampler_peak_rss_mb": max((s["peak_rss_mb"] for s in samplers.values() if "peak_rss_mb" in s), default=None),
@@ -519,13 +520,14 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
             lines.append(f"| {name} | {produced} | {status.get('tokens', 0)} | {status.get('reloads', 0)} | "
                          f"{_fmt(rollout)} | {status.get('policy_version', 0)} |")
         lines.append("")
-    reasons = trainer.get("dlq_reasons") or {}
+    progress = TrainerProgress.from_status(trainer)
+    reasons = progress.dlq_reasons
     lines += ["## Dead letters", ""]
     if reasons:
         lines += ["| reason | count |", "|---|---:|", *[f"| {r} | {c} |" for r, c in sorted(reasons.items())]]
     else:
         lines.append("The trainer dead-lettered nothing.")
-    task_reasons = trainer.get("task_dlq_reasons") or {}
+    task_reasons = progress.task_dlq_reasons
     lines += ["", f"Samplers dead-lettered {sum(task_reasons.values())} task(s), each counted once and never trained "
               "on: their trajectories never came, so they count as handled"
               + "".join(f"; {reason}: {count}" for reason, count in sorted(task_reasons.items())) + "."

@@ -1,6 +1,7 @@
 """Progress files: each process of a run writes its counters as JSON; `sao run` reads them.
 
-The trainer's file also holds its typed `StepRecord`s, the history of the run.
+The trainer's file holds its typed `TrainerProgress` (what it handled, asked by the trainer itself,
+the feeder, the launcher and the report) and its `StepRecord`s, the history of the run.
 
 Files keep the processes independent of the launcher (a sampler started by hand on another
 machine works the same) and survive a crash for the post-mortem. Writes are atomic.
@@ -12,7 +13,7 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,92 @@ def read_status(path: Path) -> dict[str, Any]:
 
 def read_all_status(directory: Path, prefix: str) -> dict[str, dict[str, Any]]:
     return {p.stem: read_status(p) for p in sorted(directory.glob(f"{prefix}*.json"))}
+
+
+@dataclass(frozen=True)
+class TrainerProgress:
+    """What the trainer has handled, as counts: the one place that says whether it is done.
+
+    A trajectory is handled once the trainer has taken it into its buffer (to be trained on) or
+    dead-lettered it; a task a sampler dead-lettered is done with too, since its trajectory never
+    comes (sao/transport/dlq.py). Rank 0 counts the stream's messages; other ranks write only their
+    steps. The trainer asks it when to stop and what a checkpoint stores; the feeder, the launcher,
+    the report and `sao audit` read it back from the trainer's progress file (`from_status`),
+    whose keys are its field names.
+    """
+
+    step: int = 0
+    policy_version: int = 0  # the newest published (the progress file is written after a step's publish)
+    trajectories_trained: int = 0  # in this life's applied steps
+    consumed: int = 0  # this life: accepted into the buffer
+    duplicates: int = 0  # this life: trajectory ids met before, dropped
+    dead_lettered: int = 0  # this life: refused by the trainer, at intake or later from the buffer
+    refused_from_buffer: int = 0  # of those, trajectories accepted first (counted in `consumed` too)
+    too_stale: int = 0  # of those, refused as too stale
+    tasks_dead_lettered: int = 0  # distinct task messages samplers dead-lettered whose trajectory never came here
+    handled_before_start: int = 0  # handled by earlier lives of this run (the checkpoint's count)
+    buffered: int = 0  # consumed, in the replay buffer, not trained on yet
+    dlq_reasons: dict[str, int] = field(default_factory=dict)  # this life's dead letters, by reason
+    task_dlq_reasons: dict[str, int] = field(default_factory=dict)  # `tasks_dead_lettered`, by reason
+    finished: bool = False  # the run ended with every expected trajectory handled (what `sao audit` trusts)
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any]) -> TrainerProgress:
+        """From a trainer progress file's fields; a missing field (no file yet) counts as zero."""
+        return cls(**{f.name: status[f.name] for f in fields(cls) if f.name in status})
+
+    @classmethod
+    def read(cls, path: Path) -> TrainerProgress:
+        return cls.from_status(read_status(path))
+
+    def as_status(self) -> dict[str, Any]:
+        """The fields of the progress file, under their own names."""
+        return asdict(self)
+
+    @property
+    def handled(self) -> int:
+        """Trajectories trained on, buffered or dead-lettered by the trainer, in every life; each
+        counted once, however late it was refused."""
+        return self.handled_before_start + self.consumed + self.dead_lettered - self.refused_from_buffer
+
+    @property
+    def done_with(self) -> int:
+        """Trajectories handled, plus those that never come (their task was dead-lettered)."""
+        return self.handled + self.tasks_dead_lettered
+
+    def all_handled(self, expected: int | None) -> bool:
+        """Every one of `expected` trajectories was handled, or never comes; never with no expectation."""
+        return expected is not None and self.done_with >= expected
+
+    def done(self, expected: int | None) -> bool:
+        """All handled and nothing left in the buffer: the trainer stops, and the run is finished."""
+        return self.all_handled(expected) and self.buffered == 0
+
+    def released_batch_handled(self, batch_size: int) -> bool:
+        """run.mode = sync: all of the batch the feeder released is here or dead-lettered, so the
+        buffer is trained as it is.
+
+        The feeder releases `batch_size` task attempts at a time, the next only after this batch's
+        step; so once the count done with is a whole multiple of it, nothing more is coming.
+        """
+        return self.buffered > 0 and self.done_with % batch_size == 0
+
+    @property
+    def settled(self) -> int:
+        """Handled, less what is still buffered (a resume reads that again): what a checkpoint stores."""
+        return self.handled - self.buffered
+
+    def handled_since(self, checkpointed: int) -> bool:
+        """Messages were settled (dead-lettered, with no step after) since a checkpoint that stored
+        `checkpointed` as its count."""
+        return self.settled > checkpointed
+
+    @property
+    def out_of_flight(self) -> int:
+        """Task attempts the feeder counts as no longer in flight: trained on or dead-lettered by the
+        trainer in this life, or dead-lettered as a task by a sampler. A buffered trajectory is
+        still in flight, so a sync batch is released only after the step that trained it."""
+        return self.trajectories_trained + self.dead_lettered + self.tasks_dead_lettered
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """The trainer process: consume -> buffer -> batch -> loss -> ZeRO-3 step -> (publish) -> commit -> (checkpoint).
 
 `Trainer.run` reads top to bottom; every arrow is one call. Rank 0 is the only Kafka consumer
-and broadcasts each batch to the other ranks. The trainer never waits for a particular
-sampler: it trains on whatever fresh trajectories Kafka holds, in arrival order (or by priority).
+and broadcasts each batch to the other ranks; its broker I/O is one `LeaderIO`
+(sao/trainer/leader_io.py), None on the other ranks. What it has handled, and so when it stops,
+is one `TrainerProgress` (sao/status.py). The trainer never waits for a particular sampler: it
+trains on whatever fresh trajectories Kafka holds, in arrival order (or by priority).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sao.envs.registry import turn_credit
 from sao.policy.weights import build_policy, frozen_copy
 from sao.run_dir import RunDir
 from sao.schema import Trajectory
-from sao.status import StepRecord, attempt_success, process_usage, write_status
+from sao.status import StepRecord, TrainerProgress, attempt_success, process_usage, write_status
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards, turn_returns
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
@@ -44,16 +46,13 @@ from sao.trainer.checkpoint import (
 )
 from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
+from sao.trainer.leader_io import LeaderIO
 from sao.trainer.publisher import PolicyPublisher
-from sao.trainer.run_cluster import bind_run_to_cluster
 from sao.trainer.shadow_validation import ShadowValidation
 from sao.trainer.training_step import StepOutcome, train_step
-from sao.trainer.trajectory_stream import TrajectoryStream
 from sao.trainer.validation import TrajectoryValidator
 from sao.transport.announcements import latest_announced_version, read_announce_key
-from sao.transport.dlq import DeadLetteredTasks, DeadLetterQueue
-from sao.transport.health import BrokerGone, BrokerWatch
-from sao.transport.kafka import RenewingProducer
+from sao.transport.health import BrokerGone
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +70,37 @@ class Trainer:
             if config.trainer.shadow_every else None
         # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
         self.startup_s: dict[str, float] = {}
-        clock = time.perf_counter()
-        # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
+        self._phase_started = time.perf_counter()
         resuming = resume and has_checkpoint(self.run_dir.checkpoints)
+        # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
         verified = _in_background(verify_checkpoint, self.run_dir.checkpoints) if resuming else None
+        validator = self._build_engine()
+        restored = self._restore(bootstrap, resume, resuming, verified)
+        self.baseline = self._reward_baseline()
+        # Rank 0 alone talks to the broker: the other ranks get each batch from it.
+        self.io = LeaderIO.open(config, bootstrap, self.run_dir, self.state, restored, resume, validator) \
+            if rank() == 0 else None
+        self.publisher = self._policy_publisher()
+        self.buffer = self._replay_buffer()
+        self.steps: list[StepRecord] = []  # this life's steps, in the progress file
+        self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
+        self.run_started: float | None = None  # perf_counter at the start of `run`
+        self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
+        self.stopping = False
+        self.finished = False
+        signal.signal(signal.SIGTERM, self._stop)
+        if self.is_leader:
+            metrics.record_trainer_start(max_staleness=config.trainer.max_staleness,
+                                         policy_version=self.state.policy_version)
+            if resume:
+                self._ledger({"resumed_from_step": self.state.step})
+        self._started("kafka_clients")
+        log.info("trainer ready in %.1f s since its process started (%s)", time.time() - _process_started_at(),
+                 ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.startup_s.items()))
+
+    def _build_engine(self) -> TrajectoryValidator:
+        """The policy (and its frozen base copy), then the ZeRO-3 engine; returns the policy's validator."""
+        config = self.config
         full_width = encoder_dim(config.compression.encoder)  # read from the encoder's folder: no model load
         bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder_name(config.compression.encoder))
         self.memory_dim = slot_width(bottleneck, full_width)
@@ -85,72 +111,63 @@ class Trainer:
             policy, self.memory_dim, config, basis_name(bottleneck))
         # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
         self.base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
-        clock = self._started("model", clock)
+        self._started("model")
         # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
         # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
         gc.freeze()
         self.engine = build_engine(policy, config.trainer)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
-        clock = self._started("engine", clock)
+        self._started("engine")
+        return validator
+
+    def _restore(self, bootstrap: str, resume: bool, resuming: bool, verified: Future | None) -> TrainerState | None:
+        """`self.state`: the latest checkpoint's on `resume` (its engine state loaded), else a fresh one.
+        Returns the restored state, None without one."""
+        config = self.config
         # The policy topic is read to its end (a quiet second) while the checkpoint loads.
         announced = _in_background(latest_announced_version, bootstrap, config.topics.policy,
                                    config.sampler.max_version_jump, read_announce_key(self.run_dir.policy_dir)) \
             if resuming and rank() == 0 else None
         restored = load_checkpoint(self.engine, self.run_dir.checkpoints, verified) if resume else None
-        clock = self._started("checkpoint", clock)
+        self._started("checkpoint")
         self.state = restored or TrainerState()
         if restored:
             self.state.policy_version = self._next_free_version(announced)
-        self.handled_before_start = self.state.handled  # trained or dead-lettered by earlier lives
-        self.baseline = RewardBaseline(config.trainer.baseline_key, config.trainer.baseline_momentum)
+        return restored
+
+    def _reward_baseline(self) -> RewardBaseline:
+        baseline = RewardBaseline(self.config.trainer.baseline_key, self.config.trainer.baseline_momentum)
         if self.state.baseline:
-            self.baseline.load_state_dict(self.state.baseline)
-        self.is_leader = rank() == 0
-        self.broker_watch = BrokerWatch(bootstrap, "trainer", config.broker.loss_timeout_s) if self.is_leader else None
-        if restored and self.is_leader:  # its offsets mean nothing in another cluster's (empty) log
-            self.broker_watch.expect_cluster(restored.broker_cluster_id, f"checkpoint step {restored.step}")
-        if self.is_leader:  # with or without a checkpoint, a resume on another cluster is refused
-            bind_run_to_cluster(self.run_dir, self.broker_watch, resume)
-        self.committed_offsets: dict[int, int] = {}  # this life's last commit, named if the broker is lost
-        self.producer = RenewingProducer(bootstrap, self.broker_watch) if self.is_leader else None
-        self.publisher = PolicyPublisher(self.producer, config.topics.policy, self.run_dir,
-                                         config.trainer.keep_versions, config.trainer.publish_dtype,
-                                         config.trainer.publish_deltas, config.trainer.snapshot_every)
-        self.buffer = ReplayBuffer(config.trainer.max_reuse, config.trainer.priority_exponent,
-                                   config.trainer.freshness_decay)
+            baseline.load_state_dict(self.state.baseline)
+        return baseline
+
+    def _policy_publisher(self) -> PolicyPublisher:
+        cfg = self.config.trainer
+        publisher = PolicyPublisher(self.io.producer if self.io is not None else None, self.config.topics.policy,
+                                    self.run_dir, cfg.keep_versions, cfg.publish_dtype, cfg.publish_deltas,
+                                    cfg.snapshot_every)
+        if self.shadow is not None:
+            publisher.pinned = self.shadow.pinned
+        return publisher
+
+    def _replay_buffer(self) -> ReplayBuffer:
+        cfg = self.config.trainer
+        buffer = ReplayBuffer(cfg.max_reuse, cfg.priority_exponent, cfg.freshness_decay)
         if self.state.rng:  # a resumed run draws the same random numbers it would have drawn
             torch.set_rng_state(torch.tensor(self.state.rng["torch"], dtype=torch.uint8))
-            self.buffer.rng.setstate(_tupled(self.state.rng["replay"]))
-        self.stream = TrajectoryStream(bootstrap, config.topics.trajectories,
-                                       DeadLetterQueue(self.producer, config.topics.dlq),
-                                       config.trainer.max_staleness, validator,
-                                       self.state.offsets if restored else None, set(self.state.seen_trajectory_ids),
-                                       config.topics.trainer_group,
-                                       self.state.refused_offsets) if self.is_leader else None
-        # Tasks samplers dead-lettered: their trajectories never come, yet they count as handled.
-        self.dead_tasks = DeadLetteredTasks(bootstrap, config.topics.dlq, config.topics.tasks) if self.is_leader else None
-        self.steps: list[StepRecord] = []  # this life's steps, in the progress file
-        self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
-        self.run_started: float | None = None  # perf_counter at the start of `run`
-        self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
-        if self.shadow is not None:
-            self.publisher.pinned = self.shadow.pinned
-        self.stopping = False
-        self.finished = False
-        signal.signal(signal.SIGTERM, self._stop)
-        if self.is_leader:
-            metrics.record_trainer_start(max_staleness=config.trainer.max_staleness,
-                                         policy_version=self.state.policy_version)
-        if resume and self.is_leader:
-            self._ledger({"resumed_from_step": self.state.step})
-        self._started("kafka_clients", clock)
-        log.info("trainer ready in %.1f s since its process started (%s)", time.time() - _process_started_at(),
-                 ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.startup_s.items()))
+            buffer.rng.setstate(_tupled(self.state.rng["replay"]))
+        return buffer
 
-    def _started(self, phase: str, since: float) -> float:
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the one rank that consumes, commits, dead-letters and writes the ledger."""
+        return self.io is not None
+
+    def _started(self, phase: str) -> None:
+        """Close start-up phase `phase`: the seconds since the previous one closed."""
         now = time.perf_counter()
-        self.startup_s[phase] = now - since
-        return now
+        self.startup_s[phase] = now - self._phase_started
+        self._phase_started = now
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
@@ -210,76 +227,54 @@ class Trainer:
                 self.shadow.finish(self.state.policy_version)
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
-            self.finished = self.is_leader and self._all_handled(expected_trajectories) and len(self.buffer) == 0
+            self.finished = self.is_leader and self._progress(expected_trajectories).done(expected_trajectories)
         except BrokerGone as gone:
             gone.in_flight = self._in_flight(checkpointed_at)
             raise
         finally:
             self._write_status(finished=self.finished)
-            if self.is_leader:
-                self.stream.close()
-                self.dead_tasks.close()
-                self.producer.flush(10)
-                self.broker_watch.close()
+            if self.io is not None:
+                self.io.close()
             if self.shadow is not None:
                 self.shadow.stop()
             shutdown()
-        return self.status()
+        return self.status(finished=self.finished)
 
     # --- consuming (rank 0) -------------------------------------------------------------
 
-    def _handled(self) -> int:
-        """Trajectories trained on or dead-lettered by this trainer, in every life (what a checkpoint keeps)."""
-        return self.handled_before_start + self.stream.counters.handled
+    def _progress(self, expected: int | None = None, finished: bool = False) -> TrainerProgress:
+        """What this trainer handled (sao/status.py). Rank 0 counts the stream; other ranks only their steps.
 
-    def _tasks_dead_lettered(self) -> int:
-        """Task messages samplers dead-lettered whose trajectory this trainer has not met (see DeadLetteredTasks)."""
-        return self.dead_tasks.count(self.stream.seen_ids)
-
-    def _done_with(self) -> int:
-        """Trajectories handled here plus those that will never come (their task was dead-lettered)."""
-        return self._handled() + self._tasks_dead_lettered()
-
-    def _all_handled(self, expected: int | None) -> bool:
-        """Every expected trajectory was handled here, or will never come: its task was dead-lettered.
-
-        The dead-letter topic is read only while something is still missing, every few seconds.
+        While `expected` trajectories are not all handled, rank 0 first reads the tasks samplers
+        dead-lettered since it last looked.
         """
-        if expected is None:
-            return False
-        if self._done_with() < expected:
-            self.dead_tasks.refresh()
-        return self._done_with() >= expected
-
-    def _released_batch_handled(self) -> bool:
-        """run.mode = sync: all of the batch the feeder released is here or dead-lettered, so train it as it is.
-
-        The feeder releases trainer.batch_size task attempts at a time, the next only after this
-        batch's step; so once the handled count is a whole multiple of it, nothing more is coming.
-        """
-        return (self.config.run.mode == "sync" and len(self.buffer) > 0
-                and self._done_with() % self.config.trainer.batch_size == 0)
+        own = TrainerProgress(step=self.state.step, policy_version=self.state.policy_version,
+                              trajectories_trained=sum(record.batch_size for record in self.steps), finished=finished)
+        return self.io.progress(len(self.buffer), own, expected) if self.io is not None else own
 
     def _should_stop(self, expected: int | None) -> bool:
         if not self.is_leader:
             return False  # only rank 0's answer is broadcast
         max_steps = self.config.trainer.max_steps
         return (self.stopping or (max_steps is not None and self.state.step >= max_steps)
-                or (self._all_handled(expected) and len(self.buffer) == 0))
+                or self._progress(expected).done(expected))
 
     def _collect(self, expected: int | None) -> list[BufferEntry] | None:
         """Rank 0: the next batch's buffer entries (empty when training should stop)."""
         if not self.is_leader:
             return None
-        cfg = self.config.trainer
+        cfg, io = self.config.trainer, self.io
         while not self._should_stop(expected):
-            self.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
+            io.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
             for entry in self.buffer.evict_stale(self.state.policy_version, cfg.max_staleness):
-                self.stream.reject_stale(entry, self.state.policy_version)
-            entries = self._take(all_arrived=self._all_handled(expected) or self._released_batch_handled())
+                io.stream.reject_stale(entry, self.state.policy_version)
+            progress = self._progress(expected)
+            # sync: the feeder released one batch; once all of it is handled, nothing more comes before its step.
+            released = self.config.run.mode == "sync" and progress.released_batch_handled(cfg.batch_size)
+            entries = self._take(all_arrived=progress.all_handled(expected) or released)
             if entries:
                 return entries
-            for entry in self.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
+            for entry in io.stream.poll(self.batch_size, self.state.policy_version, timeout=1.0):
                 self.buffer.add(entry)
         return []
 
@@ -334,7 +329,7 @@ class Trainer:
         by_id = {entry.trajectory.trajectory_id: entry for entry in entries}
         for trajectory, reason, detail in refused:
             entry = by_id[trajectory.trajectory_id]
-            self.stream.refuse(entry, reason, detail)
+            self.io.stream.refuse(entry, reason, detail)
             self.buffer.discard(entry)
 
     def _record(self, outcome: StepOutcome, trained_version: int) -> None:
@@ -400,52 +395,34 @@ class Trainer:
         event = self.shadow.roll_back(self.engine, back_to, publish, self.state.step, self.state.policy_version)
         self._ledger({"rollback": event})
 
-    def _safe_offsets(self) -> dict[int, int]:
-        return self.stream.safe_offsets(self.buffer.low_water_marks())
-
     def _commit(self) -> None:
-        if self.is_leader:
-            offsets = self._safe_offsets()
-            self.broker_watch.retry(lambda: self.stream.commit(offsets), "commit trajectory offsets")
-            self.committed_offsets = offsets
+        if self.io is not None:
+            self.io.commit(self.buffer)
 
     def _in_flight(self, checkpointed_at: int) -> str:
         """What this trainer held when the broker went: buffered data, offsets, and training since the checkpoint."""
         since = self.state.step - checkpointed_at
+        committed = self.io.committed_offsets if self.io is not None else {}
         return (f"{len(self.buffer)} trajectories buffered and not trained on; step {self.state.step}, last committed "
-                f"offsets {self.committed_offsets or 'none in this life'}; last checkpoint at step {checkpointed_at} "
+                f"offsets {committed or 'none in this life'}; last checkpoint at step {checkpointed_at} "
                 f"(offsets {self.state.offsets})" + (f", so a resume retrains the {since} step(s) after it" if since else ""))
-
-    def _take_stream_state(self) -> None:
-        """Rank 0: where the trajectory stream stands, into `self.state` (what a resume restarts from)."""
-        held = self.buffer.held_ids()
-        self.state.offsets = self._safe_offsets()
-        self.state.refused_offsets = self.stream.refused_above(self.state.offsets)
-        self.state.broker_cluster_id = self.broker_watch.cluster_id
-        # Buffered trajectories will be re-read after a resume, so they must not count as seen.
-        self.state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
-        self.state.handled = self._handled_and_settled()
-
-    def _handled_and_settled(self) -> int:
-        """Rank 0: handled, less what is still buffered (a resume reads that again): what a checkpoint counts."""
-        return self._handled() - len(self.buffer)
 
     def _handled_since_checkpoint(self) -> bool:
         """Rank 0: messages were handled (dead-lettered: no step came after) since the last checkpoint."""
         return (self.is_leader and has_checkpoint(self.run_dir.checkpoints)
-                and self._handled_and_settled() > self.state.handled)
+                and self._progress().handled_since(self.state.handled))
 
     def _record_dead_letters(self) -> None:
         """Rank 0, at a stop with no step since the last checkpoint: bring its offsets and counts up to date.
 
         Otherwise a resume would read those messages again and dead-letter each a second time.
         """
-        self._take_stream_state()
+        self.io.note_in(self.state, self.buffer)
         update_checkpoint_state(self.run_dir.checkpoints, self.state)
 
     def _checkpoint(self) -> int:
-        if self.is_leader:
-            self._take_stream_state()
+        if self.io is not None:
+            self.io.note_in(self.state, self.buffer)
         self.state.baseline = self.baseline.state_dict()
         self.state.rng = {"torch": torch.get_rng_state().tolist(), "replay": _jsonable(self.buffer.rng.getstate())}
         started = time.perf_counter()
@@ -461,19 +438,13 @@ class Trainer:
             with open(self.run_dir.ledger, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
-    def status(self) -> dict:
-        counters = self.stream.counters if self.is_leader else None
-        return {"step": self.state.step, "policy_version": self.state.policy_version,
-                "trajectories_trained": sum(record.batch_size for record in self.steps),
-                "consumed": counters.consumed if counters else 0, "duplicates": counters.duplicates if counters else 0,
-                "dead_lettered": counters.dead_lettered if counters else 0,
-                # Distinct task messages samplers dead-lettered (never trained here), read from the DLQ.
-                "tasks_dead_lettered": self._tasks_dead_lettered() if counters else 0,
-                "task_dlq_reasons": self.dead_tasks.reasons(self.stream.seen_ids) if counters else {},
-                "too_stale": counters.too_stale if counters else 0, "dlq_reasons": counters.reasons if counters else {},
-                "skipped_steps": self.skipped_steps,
+    def status(self, finished: bool = False) -> dict:
+        """The progress file's fields: the trainer's progress, its steps, and what it cost."""
+        return {**self._progress(finished=finished).as_status(), "skipped_steps": self.skipped_steps,
                 "shadow": self.shadow.status() if self.shadow is not None else None,
-                "wait_s": counters.wait_s if counters else 0.0, "rank": rank(), "world_size": world_size(),
+                # Seconds rank 0 spent polling the trajectory topic.
+                "wait_s": self.io.stream.counters.wait_s if self.io is not None else 0.0,
+                "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
                 **process_usage(), "idle_s": self.idle_s,
                 "run_s": time.perf_counter() - self.run_started if self.run_started is not None else 0.0,
@@ -481,7 +452,7 @@ class Trainer:
 
     def _write_status(self, finished: bool = False) -> None:
         name = "trainer" if self.is_leader else f"trainer-rank{rank()}"
-        write_status(self.run_dir.status(name), {**self.status(), "finished": finished})
+        write_status(self.run_dir.status(name), self.status(finished))
 
 
 def _in_background(function: Callable, *args) -> Future:

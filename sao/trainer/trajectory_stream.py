@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Message, TopicPartition
 
@@ -47,10 +48,10 @@ class StreamCounters:
     wait_s: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def handled(self) -> int:
-        """Messages accepted or refused, each counted once however late it was refused."""
-        return self.consumed + self.dead_lettered - self.refused_from_buffer
+    def counts(self) -> dict[str, Any]:
+        """These counters under their names in the trainer's progress (`sao.status.TrainerProgress`)."""
+        return {"consumed": self.consumed, "duplicates": self.duplicates, "dead_lettered": self.dead_lettered,
+                "refused_from_buffer": self.refused_from_buffer, "too_stale": self.too_stale, "dlq_reasons": dict(self.reasons)}
 
 
 class TrajectoryStream:
