@@ -105,9 +105,9 @@ class TrainerProgress:
     trajectories_trained: int = 0  # in this life's applied steps
     consumed: int = 0  # this life: accepted into the buffer
     duplicates: int = 0  # this life: trajectory ids met before, dropped
-    dead_lettered: int = 0  # this life: refused by the trainer, at intake or later from the buffer
-    refused_from_buffer: int = 0  # of those, trajectories accepted first (counted in `consumed` too)
-    too_stale: int = 0  # of those, refused as too stale
+    dead_lettered: int = 0  # this life: dead-lettered by the trainer, at intake or later from the buffer
+    dead_lettered_from_buffer: int = 0  # of those, trajectories accepted first (counted in `consumed` too)
+    too_stale: int = 0  # of those, dead-lettered as too stale
     tasks_dead_lettered: int = 0  # distinct task messages samplers dead-lettered whose trajectory never came here
     handled_before_start: int = 0  # handled by earlier lives of this run (the checkpoint's count)
     buffered: int = 0  # consumed, in the replay buffer, not trained on yet
@@ -131,8 +131,8 @@ class TrainerProgress:
     @property
     def handled(self) -> int:
         """Trajectories trained on, buffered or dead-lettered by the trainer, in every life; each
-        counted once, however late it was refused."""
-        return self.handled_before_start + self.consumed + self.dead_lettered - self.refused_from_buffer
+        counted once, however late it was dead-lettered."""
+        return self.handled_before_start + self.consumed + self.dead_lettered - self.dead_lettered_from_buffer
 
     @property
     def done_with(self) -> int:

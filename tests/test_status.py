@@ -2,15 +2,15 @@
 
 from sao.status import TrainerProgress, write_status
 
-# Earlier lives handled 10; this life accepted 6 (2 still buffered) and refused 3, one of them after
+# Earlier lives handled 10; this life accepted 6 (2 still buffered) and dead-lettered 3, one of them after
 # accepting it (so counted once); samplers dead-lettered 1 task whose trajectory never came.
 PROGRESS = TrainerProgress(step=3, policy_version=3, trajectories_trained=3, consumed=6, duplicates=2, dead_lettered=3,
-                           refused_from_buffer=1, too_stale=1, tasks_dead_lettered=1, handled_before_start=10,
+                           dead_lettered_from_buffer=1, too_stale=1, tasks_dead_lettered=1, handled_before_start=10,
                            buffered=2, dlq_reasons={"too-stale": 1, "decode-error": 2},
                            task_dlq_reasons={"env-error": 1})
 
 
-def test_a_message_refused_after_it_was_accepted_counts_once():
+def test_a_message_dead_lettered_after_it_was_accepted_counts_once():
     assert PROGRESS.handled == 10 + 6 + 3 - 1
 
 

@@ -9,7 +9,7 @@ what the LM can read back from a slot are unchanged.
 The memory projector stays aligned in the encoder's space; the policy composes it with the basis at load
 (`compose`): W (centre + U c) + b = (W U) c + (W centre + b), so coordinates c give exactly the soft token
 the full vector would. Every trajectory names the basis it was coded in (`Bottleneck.identity`), and the
-trainer refuses memory coded in another one.
+trainer dead-letters memory coded in another one.
 """
 
 from __future__ import annotations

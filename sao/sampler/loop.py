@@ -197,13 +197,13 @@ class Sampler:
         return taken, tasks
 
     def _decode_task(self, msg) -> Task:
-        """The task of `msg`, refused (SchemaError) before any work if it is too large or for another env."""
+        """The task of `msg`, dead-lettered (SchemaError) before any work if it is too large or for another env."""
         size = len(msg.value() or b"") + len(msg.key() or b"")
         if size > self.config.sampler.max_task_bytes:  # before decoding: the cost of a huge message is in reading it
             raise SchemaError("too-large", "value", f"{size} bytes (value and key) is over sampler.max_task_bytes "
                                                     f"({self.config.sampler.max_task_bytes})")
         task = decode(msg.value(), Task)
-        if self.env_name is not None and task.env != self.env_name:  # the trainer would refuse its trajectory
+        if self.env_name is not None and task.env != self.env_name:  # the trainer would dead-letter its trajectory
             raise SchemaError("wrong-env", "env", f"{task.env[:100]!r} is not this sampler's env ({self.env_name!r})")
         return task
 

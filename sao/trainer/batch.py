@@ -93,7 +93,7 @@ def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajec
     A pass computes (its rows x its longest row) positions, and a training pass's memory grows with
     them, so this is what bounds a step's peak. Rows are packed shortest first, so a pass pads
     little. With `whole_trajectories` (sequence-level importance: one ratio over all of a
-    trajectory's rows) a trajectory's rows share a pass. Validation refuses a row, or a whole
+    trajectory's rows) a trajectory's rows share a pass. Validation dead-letters a row, or a whole
     trajectory when it must share a pass, longer than the budget, so every pass here fits it.
     """
     units: list[tuple[int, list[Row]]] = []  # (longest row, rows)

@@ -33,6 +33,10 @@ class UntrustedCheckpoint(RuntimeError):
     """A checkpoint's files are not exactly those sao recorded when writing it: it is not loaded."""
 
 
+# Keys that checkpoints written under an earlier name hold: read under the current one.
+_RENAMED_KEYS = {"refused_offsets": "dead_lettered_offsets"}
+
+
 @dataclass
 class TrainerState:
     step: int = 0
@@ -41,16 +45,16 @@ class TrainerState:
     baseline: dict = field(default_factory=dict)
     seen_trajectory_ids: list[str] = field(default_factory=list)  # trained or dead-lettered, never again
     handled: int = 0  # trajectories trained or dead-lettered up to this checkpoint
-    refused_offsets: dict[int, list[int]] = field(default_factory=dict)  # dead-lettered at or above `offsets`
+    dead_lettered_offsets: dict[int, list[int]] = field(default_factory=dict)  # dead-lettered at or above `offsets`
     rng: dict = field(default_factory=dict)  # torch and replay-sampling RNG states, as plain lists
     broker_cluster_id: str | None = None  # the Kafka cluster `offsets` point into (sao/transport/health.py)
 
     @classmethod
     def from_json(cls, data: dict) -> TrainerState:
-        data = {k: v for k, v in data.items() if k != "files"}
+        data = {_RENAMED_KEYS.get(k, k): v for k, v in data.items() if k != "files"}
         data["offsets"] = {int(p): int(o) for p, o in data.get("offsets", {}).items()}
-        data["refused_offsets"] = {int(p): [int(o) for o in positions]
-                                   for p, positions in data.get("refused_offsets", {}).items()}
+        data["dead_lettered_offsets"] = {int(p): [int(o) for o in positions]
+                                         for p, positions in data.get("dead_lettered_offsets", {}).items()}
         return cls(**data)
 
 

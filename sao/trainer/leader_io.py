@@ -78,7 +78,7 @@ class LeaderIO:
         """Where the trajectory stream stands, into `state` (what a resume restarts from)."""
         held = buffer.held_ids()
         state.offsets = self.safe_offsets(buffer)
-        state.refused_offsets = self.stream.refused_above(state.offsets)
+        state.dead_lettered_offsets = self.stream.dead_lettered_above(state.offsets)
         state.broker_cluster_id = self.broker_watch.cluster_id
         # Buffered trajectories will be re-read after a resume, so they must not count as seen.
         state.seen_trajectory_ids = sorted(self.stream.seen_ids - held)
@@ -106,4 +106,4 @@ def _trajectory_stream(bootstrap: str, config: SaoConfig, producer: RenewingProd
     """The stream, resumed where `state` says when it was restored from a checkpoint."""
     return TrajectoryStream(bootstrap, config.topics.trajectories, DeadLetterQueue(producer, config.topics.dlq),
                             config.trainer.max_staleness, validator, state.offsets if restored else None,
-                            set(state.seen_trajectory_ids), config.topics.trainer_group, state.refused_offsets)
+                            set(state.seen_trajectory_ids), config.topics.trainer_group, state.dead_lettered_offsets)

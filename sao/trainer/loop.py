@@ -267,7 +267,7 @@ class Trainer:
         while not self._should_stop(expected):
             io.broker_watch.check()  # a broker gone for good (or replaced by an empty one) ends the run
             for entry in self.buffer.evict_stale(self.state.policy_version, cfg.max_staleness):
-                io.stream.reject_stale(entry, self.state.policy_version)
+                io.stream.dead_letter_stale(entry, self.state.policy_version)
             progress = self._progress(expected)
             # sync: the feeder released one batch; once all of it is handled, nothing more comes before its step.
             released = self.config.run.mode == "sync" and progress.released_batch_handled(cfg.batch_size)
@@ -310,7 +310,7 @@ class Trainer:
             return outcome
         self.phase_s.update(forward_backward=outcome.forward_backward_s, optimizer=outcome.optimizer_s)
         self.step_s = time.perf_counter() - started
-        self._refuse(entries, outcome.refused)
+        self._dead_letter(entries, outcome.dead_letters)
         if outcome.applied:
             record_rewards(outcome.plan, self.baseline)
         elif outcome.skipped_reason:
@@ -322,14 +322,14 @@ class Trainer:
                 metrics.record_skipped_step(outcome.skipped_reason)
         return outcome
 
-    def _refuse(self, entries: list[BufferEntry] | None, refused: list[tuple[Trajectory, str, str]]) -> None:
+    def _dead_letter(self, entries: list[BufferEntry] | None, dead_letters: list[tuple[Trajectory, str, str]]) -> None:
         """Rank 0: dead-letter what the step could not train on, and drop it from the buffer for good."""
-        if not self.is_leader or not refused:
+        if not self.is_leader or not dead_letters:
             return
         by_id = {entry.trajectory.trajectory_id: entry for entry in entries}
-        for trajectory, reason, detail in refused:
+        for trajectory, reason, detail in dead_letters:
             entry = by_id[trajectory.trajectory_id]
-            self.io.stream.refuse(entry, reason, detail)
+            self.io.stream.dead_letter_entry(entry, reason, detail)
             self.buffer.discard(entry)
 
     def _record(self, outcome: StepOutcome, trained_version: int) -> None:

@@ -6,7 +6,7 @@ the loop can dead-letter them:
   trajectory of the batch is scored alone (forward only) to find those that raise, and the
   batch is scored again without them (`scoring-error`). With several ranks the error is raised:
   the other ranks wait in a collective the failing rank never joins, so no rank can recover
-  alone. Validation before buffering (`sao/trainer/validation.py`) refuses everything known to
+  alone. Validation before buffering (`sao/trainer/validation.py`) dead-letters everything known to
   raise here, so this is the net under it, not the filter.
 - A non-finite loss or gradient norm. A rank whose loss is not finite back-propagates NaN on
   purpose, so DeepSpeed's global gradient-norm check (all-reduced: every rank decides alike)
@@ -40,7 +40,7 @@ class StepOutcome:
     plan: BatchPlan | None  # what was scored: the batch without the trajectories that raised (None: nothing left)
     stats: LossStats | None
     applied: bool  # the optimizer changed the weights
-    refused: list[tuple[Trajectory, str, str]] = field(default_factory=list)  # (trajectory, reason, detail)
+    dead_letters: list[tuple[Trajectory, str, str]] = field(default_factory=list)  # (trajectory, reason, detail)
     forward_backward_s: float = 0.0
     optimizer_s: float = 0.0
     interrupted: bool = False  # stopped between two passes: nothing applied, the batch is to be trained later
@@ -62,7 +62,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     `stop_requested` is asked between forward passes: a stop (SIGTERM) then waits for one pass at
     most, and the step is abandoned with nothing applied.
     """
-    refused: list[tuple[Trajectory, str, str]] = []
+    dead_letters: list[tuple[Trajectory, str, str]] = []
     while True:
         try:
             outcome = _forward_backward_step(engine, plan, cfg, memory_dim, accumulation, stop_requested, base_policy)
@@ -78,18 +78,18 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
                 raise RuntimeError(f"training on a batch of {len(plan.trajectories)} failed ({type(err).__name__}: {err}), "
                                    "yet each of its trajectories scores alone; if it ran out of memory, lower "
                                    "trainer.micro_batch_tokens") from err
-            refused += unscorable
+            dead_letters += unscorable
             failed = {id(t) for t, _, _ in unscorable}
             kept = [t for t in plan.trajectories if id(t) not in failed]
             if not kept:
-                return StepOutcome(None, None, False, refused)
+                return StepOutcome(None, None, False, dead_letters)
             plan = replan(kept)
-    outcome.refused = refused
+    outcome.dead_letters = dead_letters
     if outcome.skipped_reason:
         detail = (f"the batch's loss was {outcome.stats.loss}; the step was skipped" if
                   outcome.skipped_reason == "non-finite-loss" else
                   f"the batch's gradient norm was {engine.get_global_grad_norm()}; the step was skipped")
-        outcome.refused += [(t, outcome.skipped_reason, detail) for t in outcome.plan.trajectories]
+        outcome.dead_letters += [(t, outcome.skipped_reason, detail) for t in outcome.plan.trajectories]
     elif not math.isfinite(outcome.stats.loss):
         raise RuntimeError("DeepSpeed applied a step whose loss was not finite; sao relies on ZeRO's gradient-norm "
                            "check to skip such steps (DeepSpeed 0.19 does). The weights may now hold NaN.")

@@ -1,10 +1,10 @@
 """Consume trajectories for the trainer: decode, drop duplicates, dead-letter what can't be used.
 
-A message is refused when it is too large, cannot be decoded, does not fit the trainer's model
-(`TrajectoryValidator`) or is too stale; the loop refuses a buffered one that later raises while
-scored or sits in a batch with a non-finite loss. Every refusal goes to the dead-letter topic
+A message is dead-lettered when it is too large, cannot be decoded, does not fit the trainer's model
+(`TrajectoryValidator`) or is too stale; the loop dead-letters a buffered one that later raises while
+scored or sits in a batch with a non-finite loss. Every dead letter goes to the dead-letter topic
 with its reason and counts as handled: its offset moves on and its id is remembered, so a
-restart never meets it again. A refused message above the offsets a checkpoint stores (behind
+restart never meets it again. A dead-lettered message above the offsets a checkpoint stores (behind
 a trajectory still buffered) is remembered by position too, for those that have no id.
 
 The stream tracks, per partition, the next offset to read. The replay buffer tracks which
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _GROUP_LOST = {KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION, KafkaError.REBALANCE_IN_PROGRESS,
                KafkaError._ASSIGNMENT_LOST}
 
-# Room for the record framing and sao's headers when a refused message is re-sent whole.
+# Room for the record framing and sao's headers when a dead-lettered message is re-sent whole.
 _DLQ_HEADROOM_BYTES = 64 * 1024
 
 
@@ -42,8 +42,8 @@ _DLQ_HEADROOM_BYTES = 64 * 1024
 class StreamCounters:
     consumed: int = 0  # accepted into the buffer
     duplicates: int = 0  # trajectory_id already trained, dead-lettered or buffered
-    dead_lettered: int = 0  # all refusals, at intake or later from the buffer
-    refused_from_buffer: int = 0  # of those, trajectories that had been accepted (and counted in consumed) first
+    dead_lettered: int = 0  # all dead letters, at intake or later from the buffer
+    dead_lettered_from_buffer: int = 0  # of those, trajectories that had been accepted (and counted in consumed) first
     too_stale: int = 0
     wait_s: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)
@@ -51,14 +51,15 @@ class StreamCounters:
     def counts(self) -> dict[str, Any]:
         """These counters under their names in the trainer's progress (`sao.status.TrainerProgress`)."""
         return {"consumed": self.consumed, "duplicates": self.duplicates, "dead_lettered": self.dead_lettered,
-                "refused_from_buffer": self.refused_from_buffer, "too_stale": self.too_stale, "dlq_reasons": dict(self.reasons)}
+                "dead_lettered_from_buffer": self.dead_lettered_from_buffer,
+                "too_stale": self.too_stale, "dlq_reasons": dict(self.reasons)}
 
 
 class TrajectoryStream:
     def __init__(self, bootstrap: str, topic: str, dlq: DeadLetterQueue, max_staleness: int,
                  validator: TrajectoryValidator, start_offsets: dict[int, int] | None = None,
                  seen_ids: set[str] | None = None, group_id: str = "sao-trainer",
-                 refused_offsets: dict[int, list[int]] | None = None):
+                 dead_lettered_offsets: dict[int, list[int]] | None = None):
         self.topic = topic
         self.dlq = dlq
         self.max_staleness = max_staleness
@@ -66,7 +67,7 @@ class TrajectoryStream:
         self.next_offsets: dict[int, int] = dict(start_offsets or {})
         self.seen_ids: set[str] = set(seen_ids or ())
         # Positions dead-lettered (by this life or, above its checkpoint's offsets, an earlier one).
-        self.refused_positions: dict[int, set[int]] = {p: set(o) for p, o in (refused_offsets or {}).items()}
+        self.dead_lettered_positions: dict[int, set[int]] = {p: set(o) for p, o in (dead_lettered_offsets or {}).items()}
         self.counters = StreamCounters()
         self.consumer = make_consumer(bootstrap, group_id)
         # Exported for dashboards and alerts only: wrong on Tansu, whose high watermarks are wrong.
@@ -97,7 +98,7 @@ class TrajectoryStream:
                 log.warning("trajectories topic: %s", msg.error())
                 continue
             self.next_offsets[msg.partition()] = msg.offset() + 1
-            if msg.offset() in self.refused_positions.get(msg.partition(), ()):
+            if msg.offset() in self.dead_lettered_positions.get(msg.partition(), ()):
                 self.counters.duplicates += 1  # dead-lettered before a resume re-read it
                 continue
             entry = self._accept(msg, policy_version)
@@ -125,30 +126,30 @@ class TrajectoryStream:
         try:
             self.validator.validate(trajectory, policy_version)
         except SchemaError as err:
-            self.refuse(entry, err.reason, str(err), buffered=False)
+            self.dead_letter_entry(entry, err.reason, str(err), buffered=False)
             return None
         if policy_version - trajectory.behaviour_version > self.max_staleness:
-            self.reject_stale(entry, policy_version, buffered=False)
+            self.dead_letter_stale(entry, policy_version, buffered=False)
             return None
         self.counters.consumed += 1
         return entry
 
-    def reject_stale(self, entry: BufferEntry, policy_version: int, buffered: bool = True) -> None:
+    def dead_letter_stale(self, entry: BufferEntry, policy_version: int, buffered: bool = True) -> None:
         staleness = policy_version - entry.trajectory.behaviour_version
         self.counters.too_stale += 1
         detail = (f"behaviour v{entry.trajectory.behaviour_version} is {staleness} versions behind v{policy_version} "
                   f"(trainer.max_staleness {self.max_staleness})")
-        self.refuse(entry, "too-stale", detail, buffered)
+        self.dead_letter_entry(entry, "too-stale", detail, buffered)
 
-    def refuse(self, entry: BufferEntry, reason: str, detail: str, buffered: bool = True) -> None:
+    def dead_letter_entry(self, entry: BufferEntry, reason: str, detail: str, buffered: bool = True) -> None:
         """Dead-letter a decoded trajectory; `buffered` if it had been accepted into the buffer first."""
         if buffered:
-            self.counters.refused_from_buffer += 1
+            self.counters.dead_lettered_from_buffer += 1
         self.dead_letter(entry.raw, entry.partition, entry.offset, entry.trajectory.task_id, reason, detail)
 
     def dead_letter(self, value: bytes | None, partition: int, offset: int, key, reason: str, detail: str) -> None:
         self.counters.dead_lettered += 1
-        self.refused_positions.setdefault(partition, set()).add(offset)
+        self.dead_lettered_positions.setdefault(partition, set()).add(offset)
         self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
         if value is not None and len(value) > MAX_MESSAGE_BYTES - _DLQ_HEADROOM_BYTES:
             # The producer would refuse it (and raise): keep the why and the where instead.
@@ -158,11 +159,11 @@ class TrajectoryStream:
         self.dlq.send(value, reason, source_topic=self.topic, partition=partition, offset=offset, key=key,
                       detail=detail)
 
-    def refused_above(self, offsets: dict[int, int]) -> dict[int, list[int]]:
+    def dead_lettered_above(self, offsets: dict[int, int]) -> dict[int, list[int]]:
         """Dead-lettered positions at or above `offsets` (what a resume from them would re-read); forgets the rest."""
-        for partition, positions in self.refused_positions.items():
+        for partition, positions in self.dead_lettered_positions.items():
             positions.difference_update({o for o in positions if o < offsets.get(partition, 0)})
-        return {p: sorted(positions) for p, positions in self.refused_positions.items() if positions}
+        return {p: sorted(positions) for p, positions in self.dead_lettered_positions.items() if positions}
 
     def safe_offsets(self, low_water_marks: dict[int, int]) -> dict[int, int]:
         """Per partition: the lowest offset still buffered, else the next offset to read."""

@@ -63,7 +63,7 @@ class TrajectoryValidator:
                    config.trainer.sequence_level_ratio)
 
     def check_size(self, num_bytes: int) -> None:
-        """Before decoding: a message over `trainer.max_trajectory_bytes` is refused unread."""
+        """Before decoding: a message over `trainer.max_trajectory_bytes` is dead-lettered unread."""
         if num_bytes > self.max_bytes:
             raise SchemaError("too-large", "value", f"{num_bytes} bytes is over trainer.max_trajectory_bytes "
                                                     f"({self.max_bytes})")
@@ -138,7 +138,7 @@ class TrajectoryValidator:
 
     def _check_spans(self, trajectory: Trajectory) -> None:
         # A slot stands for consecutive earlier steps, slots in step order (sao/compression/pipeline.py); offline
-        # tools index steps by these spans, so one pointing nowhere is refused, not trained on.
+        # tools index steps by these spans, so one pointing nowhere is dead-lettered, not trained on.
         spans = trajectory.memory.spans
         if not len(spans):
             return

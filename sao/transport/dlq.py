@@ -1,6 +1,6 @@
 """Send messages sao cannot use to a dead-letter topic, unchanged, with the reason in headers.
 
-Nothing is dropped silently: every message a consumer refuses goes here with a short reason
+Nothing is dropped silently: every message a consumer cannot use goes here with a short reason
 code, is logged, and is counted in `sao_dlq_messages_total{reason=...}`. `DeadLetteredTasks`
 reads it back: the task messages samplers dead-lettered, whose trajectories will never come.
 """
@@ -30,7 +30,7 @@ SOURCE_OFFSET_HEADER = "sao-source-offset"
 
 
 class DeadLetterQueue:
-    """Produces refused messages to one dead-letter topic through a shared producer."""
+    """Produces unusable messages to one dead-letter topic through a shared producer."""
 
     def __init__(self, producer: Producer, topic: str) -> None:
         self.producer = producer
@@ -89,7 +89,7 @@ def _headers(
 
 
 def describe_dlq_message(msg: Message) -> dict[str, Any]:
-    """Read a dead-letter message back: why it was refused, where it came from, its size."""
+    """Read a dead-letter message back: why it was dead-lettered, where it came from, its size."""
     headers = {name: value.decode(errors="replace") for name, value in (msg.headers() or []) if value is not None}
     value = msg.value()
     return {
@@ -186,7 +186,7 @@ class DeadLetteredTasks:
         letter = describe_dlq_message(msg)
         where = (letter["source_partition"], letter["source_offset"])
         if letter["source_topic"] != self.tasks_topic or None in where or where in self.letters:
-            return  # not a task (a trajectory the trainer refused counts there), not saying where from, or counted
+            return  # not a task (a trajectory the trainer dead-lettered counts there), not saying where from, or counted
         self.letters[where] = (_task_trajectory_id(msg.value()), letter["reason"] or "no-reason")
 
 

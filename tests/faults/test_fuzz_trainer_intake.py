@@ -99,7 +99,7 @@ def intake(kafka_bootstrap, tiny_config):
     stream.close()
 
 
-def _refused_or_usable(validator: TrajectoryValidator):
+def _dead_lettered_or_usable(validator: TrajectoryValidator):
     """The property in process, per drawn message: only SchemaError may come out of decoding and validation."""
     def check(message) -> None:
         value = pack(message)
@@ -117,7 +117,7 @@ def test_every_hostile_trajectory_is_accepted_or_dead_lettered_and_what_is_accep
         intake, kafka_bootstrap):
     config, policy, validator, stream = intake
     long_prompts = _long_prompts()
-    drawn = hostile_messages(_bases(), "trajectory", MESSAGES - len(long_prompts), _refused_or_usable(validator))
+    drawn = hostile_messages(_bases(), "trajectory", MESSAGES - len(long_prompts), _dead_lettered_or_usable(validator))
     drawn = [message for pair in zip(drawn, long_prompts) for message in pair] + drawn[len(long_prompts):]
     producer = make_producer(kafka_bootstrap)
     produced, accepted = [], []
@@ -173,14 +173,14 @@ def _extremes_and_a_spread(entries: list) -> list:
 
 
 def _train_on(entries: list, policy, cfg) -> None:
-    """Batches of accepted trajectories through `train_step`: none refused, every figure and weight finite."""
+    """Batches of accepted trajectories through `train_step`: none dead-lettered, every figure and weight finite."""
     engine, baseline = PlainEngine(policy, cfg), RewardBaseline(cfg.baseline_key, cfg.baseline_momentum)
     for start in range(0, len(entries), BATCH):
         trajectories = [entry.trajectory for entry in entries[start:start + BATCH]]
         plan = plan_batch(trajectories, baseline, cfg, POLICY_VERSION)
         outcome = train_step(engine, plan, lambda kept: plan_batch(kept, baseline, cfg, POLICY_VERSION), cfg,
                              SHIPPED_BASIS.width, 1)
-        assert outcome.applied and outcome.refused == [], [t.trajectory_id for t, _, _ in outcome.refused]
+        assert outcome.applied and outcome.dead_letters == [], [t.trajectory_id for t, _, _ in outcome.dead_letters]
         assert math.isfinite(outcome.stats.loss) and math.isfinite(engine.grad_norm), trajectories
         record_rewards(outcome.plan, baseline)
         assert engine.weights_are_finite(), trajectories

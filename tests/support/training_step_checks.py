@@ -52,18 +52,18 @@ def main() -> None:
 
     faulty, clean = (build_engine(build_policy(cfg.policy, 384), cfg.trainer) for _ in range(2))
     findings = {}
-    # 1. A trajectory that raises: refused, and the rest trains exactly as if it had never come.
+    # 1. A trajectory that raises: dead-lettered, and the rest trains exactly as if it had never come.
     outcome = step(faulty, [good[0], unscorable, good[1]])
     step(clean, [good[0], good[1]])
-    findings["refused_unscorable"] = [(t.trajectory_id, reason) for t, reason, _ in outcome.refused]
-    findings["unscorable_detail"] = outcome.refused[0][2] if outcome.refused else ""
+    findings["dead_lettered_unscorable"] = [(t.trajectory_id, reason) for t, reason, _ in outcome.dead_letters]
+    findings["unscorable_detail"] = outcome.dead_letters[0][2] if outcome.dead_letters else ""
     findings["applied_without_it"] = outcome.applied and [t.trajectory_id for t in outcome.plan.trajectories]
     after_first = snapshot(faulty)
     findings["same_as_clean_after_unscorable"] = identical(after_first[0], snapshot(clean)[0])
     # 2. A batch whose loss is not finite: skipped, nothing moves (weights, Adam moments).
     outcome = step(faulty, [good[2], poisoned, good[3]])
     findings["skipped_reason"] = outcome.skipped_reason
-    findings["refused_poisoned"] = sorted((t.trajectory_id, reason) for t, reason, _ in outcome.refused)
+    findings["dead_lettered_poisoned"] = sorted((t.trajectory_id, reason) for t, reason, _ in outcome.dead_letters)
     after_skip = snapshot(faulty)
     findings["weights_unchanged_by_skip"] = identical(after_first[0], after_skip[0])
     findings["moments_unchanged_by_skip"] = identical(after_first[1], after_skip[1])

@@ -11,7 +11,7 @@ from support.trainer_runs import synthetic_trajectory
 
 
 class FakeStream:
-    """The trajectory stream's bookkeeping: counters, ids met, the next offsets, refused positions."""
+    """The trajectory stream's bookkeeping: counters, ids met, the next offsets, dead-lettered positions."""
 
     def __init__(self, counters: StreamCounters, seen_ids: set[str], next_offsets: dict[int, int]):
         self.counters, self.seen_ids, self.next_offsets = counters, seen_ids, next_offsets
@@ -20,7 +20,7 @@ class FakeStream:
     def safe_offsets(self, low_water_marks: dict[int, int]) -> dict[int, int]:
         return {p: min(o, low_water_marks.get(p, o)) for p, o in self.next_offsets.items()}
 
-    def refused_above(self, offsets: dict[int, int]) -> dict[int, list[int]]:
+    def dead_lettered_above(self, offsets: dict[int, int]) -> dict[int, list[int]]:
         return {0: [offsets[0] + 1]}
 
     def commit(self, offsets: dict[int, int]) -> None:
@@ -53,8 +53,8 @@ class FakeBrokerWatch:
 
 
 def _io(seen: set[str], dead_tasks: FakeDeadTasks) -> LeaderIO:
-    # This life accepted 4 and refused 2 (one of them from the buffer); earlier lives handled 7.
-    counters = StreamCounters(consumed=4, dead_lettered=2, refused_from_buffer=1, reasons={"too-stale": 2})
+    # This life accepted 4 and dead-lettered 2 (one of them from the buffer); earlier lives handled 7.
+    counters = StreamCounters(consumed=4, dead_lettered=2, dead_lettered_from_buffer=1, reasons={"too-stale": 2})
     return LeaderIO(FakeBrokerWatch(), producer=None, stream=FakeStream(counters, seen, {0: 20}),
                     dead_tasks=dead_tasks, handled_before_start=7)
 
@@ -94,7 +94,7 @@ def test_a_checkpoint_stores_the_settled_count_and_the_ids_a_resume_must_not_mee
     state = TrainerState()
     io.note_in(state, buffer)
     assert state.handled == 7 + 4 + 2 - 1 - 1  # the buffered trajectory is read again after a resume
-    assert state.offsets == {0: 15} and state.refused_offsets == {0: [16]}
+    assert state.offsets == {0: 15} and state.dead_lettered_offsets == {0: [16]}
     assert state.seen_trajectory_ids == ["task-1#0"] and state.broker_cluster_id == "cluster-a"
 
 

@@ -38,13 +38,13 @@ def test_what_cannot_be_trained_leaves_no_trace_in_the_engine(deepspeed):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     findings = json.loads(result.stdout.split("FINDINGS ", 1)[1])
-    assert findings["refused_unscorable"] == [["bad#0", "scoring-error"]]
+    assert findings["dead_lettered_unscorable"] == [["bad#0", "scoring-error"]]
     assert "IndexError" in findings["unscorable_detail"]
     assert findings["applied_without_it"] == ["task-0#0", "task-1#0"]
     assert findings["same_as_clean_after_unscorable"]  # the failed pass left nothing behind
     assert findings["skipped_reason"] == "non-finite-loss"
-    assert findings["refused_poisoned"] == [["poison#0", "non-finite-loss"], ["task-2#0", "non-finite-loss"],
-                                            ["task-3#0", "non-finite-loss"]]
+    assert findings["dead_lettered_poisoned"] == [["poison#0", "non-finite-loss"], ["task-2#0", "non-finite-loss"],
+                                                  ["task-3#0", "non-finite-loss"]]
     assert findings["weights_unchanged_by_skip"] and findings["moments_unchanged_by_skip"]  # bit for bit
     assert findings["same_as_clean_after_skip"] and findings["moved_since_skip"] and findings["final_finite"]
     # A stop (SIGTERM) waits for one pass at most: the step is abandoned and leaves no trace.
@@ -53,7 +53,7 @@ def test_what_cannot_be_trained_leaves_no_trace_in_the_engine(deepspeed):
 
 
 @pytest.mark.slow
-def test_trainer_survives_what_validation_would_have_refused(kafka_bootstrap, unique_topic_prefix, tmp_path):
+def test_trainer_survives_what_validation_would_have_dead_lettered(kafka_bootstrap, unique_topic_prefix, tmp_path):
     prefix = unique_topic_prefix
     ensure_topics(kafka_bootstrap, {f"{prefix}.traj": 1, f"{prefix}.policy": 1, f"{prefix}.dlq": 1})
     rng = np.random.default_rng(3)

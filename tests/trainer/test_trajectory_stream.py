@@ -1,4 +1,4 @@
-"""The trajectory stream on the real broker: refusals count once, and a resume never meets them again."""
+"""The trajectory stream on the real broker: dead letters count once, and a resume never meets them again."""
 
 import time
 from dataclasses import replace
@@ -18,7 +18,7 @@ VALIDATOR = TrajectoryValidator(vocab_size=49152, memory_dim=384, max_abs_reward
 
 
 def drain(stream: TrajectoryStream, messages: int, timeout: float = 60) -> list:
-    """Poll until `messages` were accepted, refused or dropped as duplicates."""
+    """Poll until `messages` were accepted, dead-lettered or dropped as duplicates."""
     accepted, deadline = [], time.monotonic() + timeout
     counters = stream.counters
     while counters.consumed + counters.dead_lettered + counters.duplicates < messages:
@@ -27,7 +27,7 @@ def drain(stream: TrajectoryStream, messages: int, timeout: float = 60) -> list:
     return accepted
 
 
-def test_refusals_behind_a_buffered_trajectory_are_not_met_again_after_a_resume(kafka_bootstrap, unique_topic_prefix):
+def test_dead_letters_behind_a_buffered_trajectory_are_not_met_again_after_a_resume(kafka_bootstrap, unique_topic_prefix):
     traj, dlq_topic = f"{unique_topic_prefix}.traj", f"{unique_topic_prefix}.dlq"
     ensure_topics(kafka_bootstrap, {traj: 1, dlq_topic: 1})
     rng = np.random.default_rng(0)
@@ -44,19 +44,19 @@ def test_refusals_behind_a_buffered_trajectory_are_not_met_again_after_a_resume(
     accepted = drain(first, 5)
     assert [e.trajectory.trajectory_id for e in accepted] == [first_good.trajectory_id, last_good.trajectory_id]
     assert first.counters.reasons == {"decode-error": 1, "invalid-token": 1, "too-large": 1}
-    # The loop refuses task-1 later (say it raised while scored): still 5 messages handled, not 6.
-    first.refuse(accepted[1], "scoring-error", "IndexError")
+    # The loop dead-letters task-1 later (say it raised while scored): still 5 messages handled, not 6.
+    first.dead_letter_entry(accepted[1], "scoring-error", "IndexError")
     assert TrainerProgress(**first.counters.counts()).handled == 5
-    # A checkpoint now, with task-0 still buffered, stores its offset and the refusals above it.
+    # A checkpoint now, with task-0 still buffered, stores its offset and the dead letters above it.
     offsets = first.safe_offsets({0: accepted[0].offset})
-    refused = first.refused_above(offsets)
-    assert offsets == {0: 0} and refused == {0: [1, 2, 3, 4]}
+    dead_lettered = first.dead_lettered_above(offsets)
+    assert offsets == {0: 0} and dead_lettered == {0: [1, 2, 3, 4]}
     seen = first.seen_ids - {first_good.trajectory_id}
     first.close()
     dlq.flush(10)
 
     second = TrajectoryStream(kafka_bootstrap, traj, dlq, 1000, VALIDATOR, offsets, seen,
-                              f"{unique_topic_prefix}-b", refused)
+                              f"{unique_topic_prefix}-b", dead_lettered)
     assert [e.trajectory.trajectory_id for e in drain(second, 5)] == [first_good.trajectory_id]
     assert second.counters.dead_lettered == 0 and second.counters.duplicates == 4
     second.close()

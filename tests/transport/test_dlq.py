@@ -74,7 +74,7 @@ def test_tasks_dead_lettered_count_once_each_and_again_after_a_restart(kafka_boo
         dlq.send(encode(failed), "env-error", source_topic=tasks_topic, partition=1, offset=4, key=failed.task_id)
     dlq.send(b"\x93garbage", "decode-error", source_topic=tasks_topic, partition=0, offset=9)  # undecodable task
     dlq.send(encode(recovered), "env-timeout", source_topic=tasks_topic, partition=0, offset=2, key=recovered.task_id)
-    # Not tasks: a trajectory the trainer refused, and a dead letter that says not where it came from.
+    # Not tasks: a trajectory the trainer dead-lettered, and a dead letter that says not where it came from.
     dlq.send(b"trajectory", "too-stale", source_topic=f"{unique_topic_prefix}.traj", partition=0, offset=4)
     dlq.send(encode(failed), "env-error", source_topic=tasks_topic)
     assert dlq.flush(10) == 0
