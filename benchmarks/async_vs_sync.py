@@ -5,7 +5,7 @@
         [-- extra sao run args]
 
 Three arms, each one `sao run` (its own run directory) on the same number of trajectories:
-(a) synchronous GRPO, `--group-size` attempts per task (tasks / group-size tasks); (b) synchronous
+(a) synchronous GRPO, `--group-size` copies per task (tasks / group-size tasks); (b) synchronous
 single-trajectory, `run.mode = "sync"`: one batch released, sampled with the newest version, trained
 and published before the next; (c) sao's asynchronous default. Each arm runs unpinned (the OS
 places every process) and pinned (samplers on the first half of the CPUs, the trainer on the other
@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
                         help="arms to run (sync and async are always among them: the headline compares them)")
     parser.add_argument("--heldout-cap", type=int, default=128)
-    parser.add_argument("--group-size", type=int, default=8, help="GRPO attempts per task (divides the batch)")
+    parser.add_argument("--group-size", type=int, default=8, help="GRPO copies per task (divides the batch)")
     compute = parser.add_mutually_exclusive_group()
     compute.add_argument("--pinned", dest="compute", action="store_const", const=("pinned",))
     compute.add_argument("--unpinned", dest="compute", action="store_const", const=("unpinned",))

@@ -336,7 +336,7 @@ def throughput_figures(encoder, temporal_filter, episode: Episode, online_steps:
     def online():
         compressor = OnlineCompressor(encoder, temporal_filter, bottleneck=bottleneck)
         for text, reward in zip(few, rewards):
-            compressor.finish_step(text, reward)
+            compressor.finish_turn(text, reward)
         shares.update(compressor.stats().__dict__)
 
     shares: dict = {}

@@ -50,10 +50,10 @@ def command_logprobs(policy, prompt_ids, memory, context_ids, commands: list[np.
     import torch
     import torch.nn.functional as F
 
-    from sao.policy.context import StepInput
-    from sao.policy.model import collate_steps
+    from sao.policy.context import TurnInput
+    from sao.policy.model import collate_turns
 
-    batch = collate_steps([StepInput(prompt_ids, memory, context_ids, np.zeros(0, np.int32))], policy.memory_dim)
+    batch = collate_turns([TurnInput(prompt_ids, memory, context_ids, np.zeros(0, np.int32))], policy.memory_width)
     embeds = policy._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
     out = policy.lm(inputs_embeds=embeds, use_cache=True, logits_to_keep=1)
     first = F.log_softmax(out.logits[0, -1].float(), dim=-1)
@@ -79,8 +79,8 @@ def play(spec: dict, policy, chat, encoder, temporal_filter, recent_window: int,
     """One episode; its return, solved, gem_taken, rooms_visited, steps and first moves."""
     from sao.compression.pipeline import OnlineCompressor
     from sao.envs.textworld import TextWorldEnv
-    from sao.policy.chat import step_text
-    from sao.policy.context import step_tokens
+    from sao.policy.chat import turn_text
+    from sao.policy.context import turn_tokens
 
     rng = np.random.default_rng(seed)
     env = TextWorldEnv()
@@ -94,7 +94,7 @@ def play(spec: dict, policy, chat, encoder, temporal_filter, recent_window: int,
         command_ids = [chat.action_ids(c) for c in commands]
         visible = len(compressor.visible_slots()) if use_memory else 0
         scores = command_logprobs(policy, prompt_ids, compressor.dequantized(list(range(visible))),
-                                  step_tokens(finished, observation_ids, recent_window), command_ids)
+                                  turn_tokens(finished, observation_ids, recent_window), command_ids)
         weights = np.exp((scores - scores.max()) / temperature)
         choice = int(rng.choice(len(commands), p=weights / weights.sum()))
         feedback = env.step(commands[choice])
@@ -105,7 +105,7 @@ def play(spec: dict, policy, chat, encoder, temporal_filter, recent_window: int,
         finished.append((observation_ids, command_ids[choice]))
         if feedback.done:
             break
-        compressor.finish_step(step_text(observation_text, commands[choice]), feedback.reward)
+        compressor.finish_turn(turn_text(observation_text, commands[choice]), feedback.reward)
         observation_text = feedback.observation
         observation_ids = chat.feedback_observation(feedback.observation, command_ids[choice])
     return {"return": total, "solved": float(total >= 1 - 1e-6), "gem_taken": float(gem_taken),
@@ -145,7 +145,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from sao.compression.bottleneck import resolve_bottleneck, slot_width
+    from sao.compression.bottleneck import memory_width, resolve_bottleneck
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.config import load_config
@@ -164,7 +164,7 @@ def main() -> None:
     temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
     chat = chat_formats(config, ["textworld"])["textworld"]
     bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)  # memory as it travels
-    policy = build_policy(config.policy, slot_width(bottleneck, encoder.dim)).eval()
+    policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim)).eval()
     zero_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
     projector_line = apply_projector_setting(policy.projector, config.policy.projector, config.policy.model,
                                              config.compression.encoder, bottleneck)

@@ -21,7 +21,7 @@ with standard errors; for each scored gem delivery, whether the context makes th
 it holds first among the world's gems (against chance, 1 / gems); what each env's memory costs on
 the wire (INT8 slot bytes against the int32 token ids of the steps the slots stand for;
 `--keep-threshold` trades slots for bytes; slots travel as compression.bottleneck says: the shipped
-64-d basis by default, `--bottleneck none` for the full width, `--memory-dim k` for a basis fitted
+64-d basis by default, `--bottleneck none` for the full width, `--memory-width k` for a basis fitted
 here); plus the context length (tokens + soft tokens) at steps 10, 100 and 1000 of a 1000-step
 labyrinth episode.
 Headline: gap recovered = (NLL_recent - NLL_sao) / (NLL_recent - NLL_full) on the labyrinth;
@@ -253,14 +253,14 @@ def load_aligned(policy, config, encoder, bottleneck, args, rng_seed: int) -> st
 
 
 def fit_here(config, encoder, temporal_filter, args):
-    """--memory-dim: a basis fitted on the slots of seed-0 episodes (never the scored ones)."""
+    """--memory-width: a basis fitted on the slots of seed-0 episodes (never the scored ones)."""
     from sao.compression.bottleneck import fit_bottleneck
     from sao.offline.align import labyrinth_corpus, prepare, tutoring_corpus
 
     fit = prepare(labyrinth_corpus(0, args.align_episodes, args.max_steps) + tutoring_corpus(0, args.align_episodes),
                   config, encoder, temporal_filter, args.recent_window)
     training_slots = np.concatenate([item.student[-1].memory for item in fit if len(item.student[-1].memory)])
-    return fit_bottleneck(training_slots, args.memory_dim, encoder.name)
+    return fit_bottleneck(training_slots, args.memory_width, encoder.name)
 
 
 def main() -> None:
@@ -279,7 +279,7 @@ def main() -> None:
     parser.add_argument("--bottleneck", default=None,
                         help="compression.bottleneck: auto (the shipped basis: how memory travels by default), none "
                              "(the encoder's full width) or a basis file; default: the config's")
-    parser.add_argument("--memory-dim", type=int, default=None,
+    parser.add_argument("--memory-width", type=int, default=None,
                         help="instead of --bottleneck, a basis fitted here: INT8 coordinates in this many principal "
                              "directions of training slots (--align-episodes per env, seed 0)")
     parser.add_argument("--recall-only", action="store_true",
@@ -297,7 +297,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from sao.compression.bottleneck import BottleneckMismatch, describe, resolve_bottleneck, slot_width
+    from sao.compression.bottleneck import BottleneckMismatch, describe, memory_width, resolve_bottleneck
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
     from sao.config import ConfigError, load_config
@@ -317,16 +317,16 @@ def main() -> None:
     except ConfigError as err:
         raise SystemExit(str(err)) from err  # names the config field (compression.keep_threshold, policy.model)
     encoder = load_encoder(config.compression.encoder)
-    if args.memory_dim is not None and not 1 <= args.memory_dim <= encoder.dim:
-        raise SystemExit(f"--memory-dim must be between 1 and the encoder's width {encoder.dim} (got {args.memory_dim})")
+    if args.memory_width is not None and not 1 <= args.memory_width <= encoder.dim:
+        raise SystemExit(f"--memory-width must be between 1 and the encoder's width {encoder.dim} (got {args.memory_width})")
     temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
     try:
         bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)
     except BottleneckMismatch as err:
         raise SystemExit(str(err)) from err
-    if args.memory_dim is not None:
+    if args.memory_width is not None:
         bottleneck = fit_here(config, encoder, temporal_filter, args)
-    policy = build_policy(config.policy, slot_width(bottleneck, encoder.dim)).eval()
+    policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim)).eval()
     zero_state = {k: v.clone() for k, v in policy.projector.state_dict().items()}
     projector_line = load_aligned(policy, config, encoder, bottleneck, args, rng_seed=0)
     projector_line += f"\n{describe(bottleneck, encoder.dim)}"

@@ -1,10 +1,10 @@
-"""How much can a narrower memory slot still say to the LM? The content check at several slot widths.
+"""How much can a narrower memory slot still say to the LM? The content check at several memory widths.
 
     python benchmarks/memory_width.py [--widths 384 64 16] [--updates 100] [--json PATH]
 
 Memory slots of scripted episodes (training: seed 0; held out: seed 1) are squeezed to each width:
 INT8 coordinates in the top principal directions of the training slots (`sao.compression.bottleneck`,
-as `memory_fidelity.py --memory-dim`, mapped back to the encoder's space). From the shipped aligned
+as `memory_fidelity.py --memory-width`, mapped back to the encoder's space). From the shipped aligned
 projector, `--updates` reconstruction updates teach the soft token to say its step (the frozen LM
 rewrites the step's text from
 `"Earlier step:" | slot` alone), then the content check scores each held-out step's text under its
@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="policy.model (tiny for a quick check)")
     parser.add_argument("--widths", type=int, nargs="+", default=[384, 64, 16],
-                        help="slot widths to measure, each with a basis fitted here on the training slots")
+                        help="memory widths to measure, each with a basis fitted here on the training slots")
     parser.add_argument("--shipped", action="store_true",
                         help="also measure the basis shipped for the encoder (compression.bottleneck = auto)")
     parser.add_argument("--updates", type=int, default=100, help="reconstruction updates per width")

@@ -34,16 +34,16 @@ CONTEXTS = ("full", "recent")
 DISTANCE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 256))  # turns from the fact to its question
 
 
-def questions_of(chat, spec: dict, recent_window: int, memory_dim: int) -> list[dict]:
+def questions_of(chat, spec: dict, recent_window: int, memory_width: int) -> list[dict]:
     """Each question of one episode: its fact's value, the distance in turns from the fact, and the
-    StepInput of each context. Replies before it are teacher-forced: what the rules ask for (`Turn.reply`)."""
+    TurnInput of each context. Replies before it are teacher-forced: what the rules ask for (`Turn.reply`)."""
     from sao.envs.recall import build_episode
-    from sao.policy.context import StepInput, step_tokens
+    from sao.policy.context import TurnInput, turn_tokens
 
     episode = build_episode(spec)
     turns = episode.turns
     stated_at = {turn.text: index for index, turn in enumerate(turns)}
-    no_memory = np.zeros((0, memory_dim), np.float32)
+    no_memory = np.zeros((0, memory_width), np.float32)
     prompt_ids = chat.prompt(turns[0].text)
     observation_ids = chat.first_observation(turns[0].text)
     finished: list[tuple[np.ndarray, np.ndarray]] = []
@@ -52,7 +52,7 @@ def questions_of(chat, spec: dict, recent_window: int, memory_dim: int) -> list[
         if turn.fact is not None:
             windows = {"full": len(finished), "recent": recent_window}
             found.append({"value": turn.fact.value, "stated": episode.values, "distance": index - stated_at[turn.fact.statement],
-                          "inputs": {c: StepInput(prompt_ids, no_memory, step_tokens(finished, observation_ids, w),
+                          "inputs": {c: TurnInput(prompt_ids, no_memory, turn_tokens(finished, observation_ids, w),
                                                   np.zeros(0, np.int32)) for c, w in windows.items()}})
         action_ids = chat.action_ids(turn.reply)
         finished.append((observation_ids, action_ids))
@@ -119,9 +119,9 @@ def main() -> None:
     generation = generation_settings(config)
     chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir), generation.system_prompt,
                       generation.stop)
-    policy = build_policy(config.policy, memory_dim=1).eval()  # no memory is read: the projector never runs
+    policy = build_policy(config.policy, memory_width=1).eval()  # no memory is read: the projector never runs
     questions = [q for task in make_tasks(config.env, args.episodes, split="eval")
-                 for q in questions_of(chat, task.spec, recent_window, policy.memory_dim)]
+                 for q in questions_of(chat, task.spec, recent_window, policy.memory_width)]
     console = Console()
     for question in questions:
         question["success"] = {}

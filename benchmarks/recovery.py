@@ -128,7 +128,7 @@ class CrashRun:
 
     def _crash_the_trainer(self, sampler: dict) -> dict:
         """Once the killed episodes are trained: kill -9 the trainer past its first checkpoint, then resume it."""
-        killed_ids = {Trajectory.make_id(e["task_id"], e["attempt"]) for e in sampler["live_episodes"]}
+        killed_ids = {Trajectory.make_id(e["task_id"], e["copy"]) for e in sampler["live_episodes"]}
         self._until(lambda: killed_ids <= set(read_ledger(self.run_dir.ledger).times_trained()),
                     "training of the killed episodes' tasks")
         self.feeder.total = self.total - self.config.trainer.batch_size  # all but the last batch
@@ -259,7 +259,7 @@ def trained_after_resume(ledger: Path) -> set[str]:
 
 
 def audit_figures(report: AuditReport) -> dict:
-    """What the benchmark reports from the audit: lost = fed attempts neither trained nor dead-lettered
+    """What the benchmark reports from the audit: lost = fed copies neither trained nor dead-lettered
     once the run is over; trained twice = trained more often than trainer.max_reuse."""
     return {"lost": len(report.lost_produced) + len(report.lost_not_produced),
             "trained_twice": len(report.trained_twice), "clean": report.clean, "finished": report.finished,
@@ -271,10 +271,10 @@ def sampler_figures(crash: dict, produced: list[dict], again: list[dict], traine
     victim, killed_at = crash["victim"], crash["killed_at"]
     by_victim = {p["id"] for p in produced if p["sampler"] == victim}
     # An episode may have ended between the status write and the kill: then it was not killed.
-    killed = [e for e in crash["live_episodes"] if Trajectory.make_id(e["task_id"], e["attempt"]) not in by_victim]
+    killed = [e for e in crash["live_episodes"] if Trajectory.make_id(e["task_id"], e["copy"]) not in by_victim]
     elapsed = [killed_at - e["started_at"] for e in killed]
     redo = {p["id"]: p for p in produced if p["created_at"] > killed_at}
-    redone = [redo.get(Trajectory.make_id(e["task_id"], e["attempt"]), {}).get("rollout_s", float("nan"))
+    redone = [redo.get(Trajectory.make_id(e["task_id"], e["copy"]), {}).get("rollout_s", float("nan"))
               for e in killed]
     beyond = [r for r in again if killed_at < r["created_at"] < trainer_killed_at]
     replacement = [p["created_at"] for p in produced if p["sampler"] == crash["replacement"]]

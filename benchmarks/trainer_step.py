@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-MEMORY_DIM = 384  # the default encoder's width; these rows carry no memory
+MEMORY_WIDTH = 384  # the default encoder's width; these rows carry no memory
 
 
 def realistic_batch(seed: int = 0, trajectories: int = 8):
@@ -63,7 +63,7 @@ def realistic_batch(seed: int = 0, trajectories: int = 8):
         else:
             steps[0] = step(steps[0].observation_ids, steps[0].action_ids, 1.0, True)
         batch.append(Trajectory(f"bench-{index}#0", f"bench-{index}", "arithmetic", "bench", 0, tokens(40, 50), steps,
-                                Memory.empty(MEMORY_DIM), 1.0, "bench", 1))
+                                Memory.empty(MEMORY_WIDTH), 1.0, "bench", 1))
     return batch
 
 
@@ -94,7 +94,7 @@ class BareEngine:
         self.optimizer.param_groups[0]["foreach"] = None
         started = time.perf_counter()
         count = len(plan.trajectories)
-        loss, _ = rank_loss(self, plan, all_rows(plan, list(range(count))), count, cfg, MEMORY_DIM)
+        loss, _ = rank_loss(self, plan, all_rows(plan, list(range(count))), count, cfg, MEMORY_WIDTH)
         loss.backward()
         middle = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
@@ -131,13 +131,13 @@ def measure(model: str, steps: int, threads: int | None, overrides: list[str], t
     cfg = config.trainer
     torch.set_num_threads(threads if threads is not None else cfg.threads())
     padded_cfg = cfg.model_copy(update={"length_buckets": 1})
-    engine = build_engine(build_policy(config.policy, MEMORY_DIM), cfg)
-    bare = BareEngine(build_policy(config.policy, MEMORY_DIM), cfg)
+    engine = build_engine(build_policy(config.policy, MEMORY_WIDTH), cfg)
+    bare = BareEngine(build_policy(config.policy, MEMORY_WIDTH), cfg)
     accumulation = batch_layout(cfg, 1)[1]
     plan = plan_batch(realistic_batch(trajectories=trajectories), RewardBaseline(), cfg, 0)
 
     def sao_step() -> tuple[float, float, float]:
-        outcome = train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg, 0), cfg, MEMORY_DIM,
+        outcome = train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg, 0), cfg, MEMORY_WIDTH,
                              accumulation)
         if not outcome.applied:
             raise RuntimeError(f"sao's step was not applied ({outcome.skipped_reason}): nothing to time")

@@ -52,7 +52,7 @@ from typing import NamedTuple
 import numpy as np
 
 ARMS = ("bare", "sao", "sao-blocking")
-MEMORY_DIM = 384  # all-MiniLM-L6-v2, the default encoder
+MEMORY_WIDTH = 384  # all-MiniLM-L6-v2, the default encoder
 VOCAB = 49152  # SmolLM2's vocabulary, the default policy
 _UNITS = {"B": 1, "KB": 1024, "MB": 1024 * 1024}
 # Bare librdkafka refuses messages over 1,000,000 bytes by default; room for framing at 1 MiB.
@@ -84,7 +84,7 @@ def trajectory_of_size(num_bytes: int):
 
     def build(action_tokens: int) -> Trajectory:
         rows = turns - 1
-        memory = Memory(vectors=rng.integers(-127, 128, (rows, MEMORY_DIM)).astype(np.int8),
+        memory = Memory(vectors=rng.integers(-127, 128, (rows, MEMORY_WIDTH)).astype(np.int8),
                         scales=np.full(rows, 1 / 127, np.float32),
                         spans=np.stack([np.arange(rows), np.arange(rows)], axis=1).astype(np.int32),
                         reward_sums=np.zeros(rows, np.float32))
@@ -229,7 +229,7 @@ class SaoReader:
         from sao.transport.kafka import make_producer
 
         trainer = TrainerConfig()
-        validator = TrajectoryValidator(VOCAB, MEMORY_DIM, trainer.max_abs_reward, trainer.max_trajectory_bytes)
+        validator = TrajectoryValidator(VOCAB, MEMORY_WIDTH, trainer.max_abs_reward, trainer.max_trajectory_bytes)
         group = f"bench-sao-{uuid.uuid4().hex[:8]}"
         self.stream = TrajectoryStream(bootstrap, topic, DeadLetterQueue(make_producer(bootstrap), dlq_topic),
                                        max_staleness=trainer.max_staleness, validator=validator, group_id=group)
@@ -376,7 +376,7 @@ def codec_costs(size: int, repeats: int = 50) -> dict:
     from sao.trainer.validation import TrajectoryValidator
 
     trainer = TrainerConfig()
-    validator = TrajectoryValidator(VOCAB, MEMORY_DIM, trainer.max_abs_reward, trainer.max_trajectory_bytes)
+    validator = TrajectoryValidator(VOCAB, MEMORY_WIDTH, trainer.max_abs_reward, trainer.max_trajectory_bytes)
     trajectory = trajectory_of_size(size)
     data = encode(trajectory)
 

@@ -1,6 +1,6 @@
-"""`sao audit`: what became of every task attempt ever fed, from the topics, the trainer's ledger and checkpoint.
+"""`sao audit`: what became of every task copy ever fed, from the topics, the trainer's ledger and checkpoint.
 
-Each task message fed (task_id + attempt; its trajectory id is `Trajectory.make_id(task_id, attempt)`)
+Each task message fed (task_id + copy; its trajectory id is `Trajectory.make_id(task_id, copy)`)
 ends in exactly one class:
 
 - trained: in the trainer's surviving history, at most `trainer.max_reuse` times (once by default);
@@ -85,7 +85,7 @@ def _cut_after(ledger: Ledger, step: int) -> None:
 class TopicScan:
     """Everything the three topics say, by trajectory id where a message decodes to one."""
 
-    fed: Counter[str] = field(default_factory=Counter)  # task messages per attempt (a re-fed one counts twice)
+    fed: Counter[str] = field(default_factory=Counter)  # task messages per copy (a re-fed one counts twice)
     produced: Counter[str] = field(default_factory=Counter)
     dead_lettered: dict[str, str] = field(default_factory=dict)  # trajectory id -> reason of its first dead letter
     undecodable: dict[str, set[tuple[int, int]]] = field(default_factory=dict)  # topic -> (partition, offset)
@@ -120,11 +120,11 @@ def scan_topics(config: SaoConfig, bootstrap: str, timeout: float, quiet_period:
 class AuditReport:
     finished: bool
     max_reuse: int
-    fed: int  # task attempts fed (distinct trajectory ids)
+    fed: int  # task copies fed (distinct trajectory ids)
     fed_messages: int
     trained: int
     trained_twice: dict[str, int]  # id -> times trained in the surviving history
-    dead_lettered: dict[str, int]  # reason -> attempts
+    dead_lettered: dict[str, int]  # reason -> copies
     in_flight_produced: list[str]  # produced, not trained or dead-lettered yet
     in_flight_not_produced: list[str]
     lost_produced: list[str]  # the same two, once the run is over
@@ -135,7 +135,7 @@ class AuditReport:
     checkpoint_step: int | None
     ledger: dict[str, int]
     notes: list[str]
-    # Fed task attempts the run's own records count (its feeder's status, its ledger) that the topics read here
+    # Fed task copies the run's own records count (its feeder's status, its ledger) that the topics read here
     # do not hold: the broker lost them, or it is not the run's cluster (`foreign_cluster` says which it is).
     unaccounted: int = 0
     foreign_cluster: str | None = None
@@ -154,7 +154,7 @@ class AuditReport:
 
 def audit(config: SaoConfig, run_dir: RunDir, bootstrap: str, finished: bool | None = None, timeout: float = 300.0,
           quiet_period: float = 2.0) -> AuditReport:
-    """Account for every fed task attempt; `finished` None: as the trainer's status file says."""
+    """Account for every fed task copy; `finished` None: as the trainer's status file says."""
     scan = scan_topics(config, bootstrap, timeout, quiet_period)
     ledger = read_ledger(run_dir.ledger)
     checkpoint = _latest_checkpoint_state(run_dir)
@@ -170,20 +170,20 @@ def audit(config: SaoConfig, run_dir: RunDir, bootstrap: str, finished: bool | N
     fed_by_run = _fed_by_run(run_dir, ledger)
     report.unaccounted = fed_by_run if report.foreign_cluster else max(0, fed_by_run - report.fed)
     if report.unaccounted:
-        report.notes.append(f"the broker cannot account for {report.unaccounted} of the {fed_by_run} task attempts the "
+        report.notes.append(f"the broker cannot account for {report.unaccounted} of the {fed_by_run} task copies the "
                             "run fed (its feeder's status and its ledger): they are lost with the broker's log")
     return report
 
 
 def _fed_by_run(run_dir: RunDir, ledger: Ledger) -> int:
-    """Task attempts the run itself says it fed: what its feeder counted (`sao run`), at least what it trained."""
+    """Task copies the run itself says it fed: what its feeder counted (`sao run`), at least what it trained."""
     fed = read_status(run_dir.status("feeder")).get("fed")
     return max(fed if _is_count(fed) else 0, len(ledger.times_trained()))
 
 
 def classify(scan: TopicScan, ledger: Ledger, checkpoint: dict[str, Any] | None, finished: bool, max_reuse: int,
              dlq_topic: str) -> AuditReport:
-    """Put each fed attempt in its class (a trained one counts as trained even if it was also dead-lettered)."""
+    """Put each fed copy in its class (a trained one counts as trained even if it was also dead-lettered)."""
     times = ledger.times_trained()
     trained, trained_twice, dead = 0, {}, Counter()
     waiting: dict[bool, list[str]] = {True: [], False: []}  # produced? -> ids neither trained nor dead-lettered
@@ -230,9 +230,9 @@ def _undecodable(scan: TopicScan, dlq_topic: str) -> dict[str, dict[str, int]]:
 def report_table(report: AuditReport) -> Table:
     """The counts as a rich table, with the ids of anything lost or trained twice (the first SHOWN_IDS)."""
     state = "finished" if report.finished else "running (nothing counts as lost yet)"
-    table = Table(title=f"audit of {report.fed} fed task attempts ({report.fed_messages} messages); run {state}")
+    table = Table(title=f"audit of {report.fed} fed task copies ({report.fed_messages} messages); run {state}")
     table.add_column("class")
-    table.add_column("attempts", justify="right")
+    table.add_column("copies", justify="right")
     table.add_column("ids / detail")
     table.add_row("trained" + (" exactly once" if report.max_reuse == 1 else f" (<= {report.max_reuse} times)"),
                   str(report.trained), f"{report.trained_after_checkpoint} after the latest checkpoint "
@@ -276,7 +276,7 @@ def _trajectory_id(value: bytes | None, kind: type[Task] | type[Trajectory]) -> 
     except SchemaError:
         return None
     return message.trajectory_id if isinstance(message, Trajectory) else Trajectory.make_id(message.task_id,
-                                                                                             message.attempt)
+                                                                                             message.copy)
 
 
 def _latest_checkpoint_state(run_dir: RunDir) -> dict[str, Any] | None:

@@ -284,7 +284,7 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
           read_timeout: Annotated[float, typer.Option(help="Seconds to read each topic at most.")] = 300.0,
           quiet_s: Annotated[float, typer.Option(help="A topic is read to its end once it stays quiet this long.")] = 2.0,
           ) -> None:
-    """Account for every task attempt fed: trained once, dead-lettered, in flight, lost, or trained twice.
+    """Account for every task copy fed: trained once, dead-lettered, in flight, lost, or trained twice.
 
     Exits 1 if anything is lost or trained twice. Reads the topics, so the broker must still hold
     them (`sao run` stops its embedded broker at the end: audit runs on an external one).

@@ -112,7 +112,7 @@ class EnvConfig(Section):
     answer_format: Literal["last_number", "last_line"] = Field(
         "last_number", description="arithmetic env: what of the reply is scored - its last number, or its last "
                                    "non-empty line (for reasoning-gym datasets whose answers are words or lists).")
-    max_turns: int = Field(2, ge=1, description="Attempts per task: a wrong answer gets feedback and another try.")
+    max_turns: int = Field(2, ge=1, description="Turns per episode at most: a wrong answer gets feedback and another try.")
     retry_discount: float = Field(
         0.5, gt=0, le=1, description="Reward of a right answer at attempt k (0-based) is score * discount**k.")
     repeat_penalty: float = Field(
@@ -120,13 +120,21 @@ class EnvConfig(Section):
                                      "called wrong (anywhere in the reply) or none; 0 = off. Without it the wrong "
                                      "retries all earn 0 and the policy keeps repeating itself (benchmarks/README.md).")
     seed: int = Field(0, description="Seed of the task stream (dataset sampling).")
-    step_timeout_s: float = Field(
-        30.0, ge=0, description="An env reset/step running longer ends its episode (DLQ reason env-timeout); 0 = no limit.")
+    turn_timeout_s: float = Field(
+        30.0, ge=0, description="An env call of a turn (the reset before the first one, the step after each "
+                                "action) running longer ends its episode (DLQ reason env-timeout); 0 = no limit.")
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="Env-specific options of a non-reasoning-gym env, e.g. textworld's size, gems, locked_doors, "
                     "distractors, loops, max_steps (see sao/envs/textworld.py).")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits of generated code runs (humaneval).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_old_names(cls, data: Any) -> Any:
+        return refuse_old_names(data, "env", {
+            "step_timeout_s": "is now env.turn_timeout_s (it bounds each env call of a turn; a step is an "
+                              "optimizer step)"})
 
 
 class PolicyConfig(Section):
@@ -166,7 +174,7 @@ class CompressionConfig(Section):
     temporal_weights: str | None = Field(None, description="LSTM redundancy filter weights; unset = the shipped default.")
     keep_threshold: float | None = Field(
         None, ge=0, le=2,
-        description="Keep a step whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
+        description="Keep a turn whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
     bottleneck: str = Field(
         "auto", min_length=1,
         description="How wide a memory slot travels: `auto` = INT8 coordinates in the basis shipped for the encoder "
@@ -174,9 +182,9 @@ class CompressionConfig(Section):
                     "or the full width where none ships; `none` = the encoder's full width; else a basis file "
                     "written by `sao compression bottleneck`. Samplers and trainer must agree (trajectories name it).")
     recent_window: int = Field(
-        1, ge=0, description="Latest finished steps given in full text rather than as memory; only older steps "
+        1, ge=0, description="Latest finished turns given in full text rather than as memory; only older turns "
                              "become memory. At >= 1 a retry sees its own last answer and the feedback as a "
-                             "well-formed chat (user / assistant / user); 0 leaves every earlier step to memory "
+                             "well-formed chat (user / assistant / user); 0 leaves every earlier turn to memory "
                              "alone, and the chat text then shows two user turns in a row.")
 
 
@@ -221,8 +229,8 @@ class SamplerConfig(Section):
 class TrainerConfig(Section):
     algorithm: Literal["sao", "grpo"] = Field(
         "sao", description="sao: one trajectory per task, running-mean baseline. grpo: the traditional baseline - "
-                           "group_size attempts per task, group-mean advantage, trained one whole batch at a time.")
-    group_size: int = Field(1, ge=1, description="grpo: attempts per task (the feeder sends each task this often).")
+                           "group_size copies per task, group-mean advantage, trained one whole batch at a time.")
+    group_size: int = Field(1, ge=1, description="grpo: copies per task (the feeder sends each task this often).")
     batch_size: int = Field(8, ge=1, description="Trajectories per optimizer step; DeepSpeed's train_batch_size "
                                                  "in trainer.deepspeed overrides it.")
     max_reuse: int = Field(1, ge=1, description="Times a buffered trajectory may be trained on (1 = exactly once).")
@@ -267,7 +275,7 @@ class TrainerConfig(Section):
                            "and the batch mean on top turns failures into reinforced actions whenever a batch is "
                            "mostly failures (measured: benchmarks/README.md). On: the classic whitening.")
     value_head: bool = Field(
-        False, description="Learn V(context) with a linear head on the LM's last hidden state; each step's advantage "
+        False, description="Learn V(context) with a linear head on the LM's last hidden state; each turn's advantage "
                            "becomes reward - V (detached, not whitened) instead of reward - running baseline.")
     value_coef: float = Field(0.5, ge=0, description="Weight of the value head's squared error in the loss.")
     kl_to_base_coef: float = Field(
@@ -282,7 +290,7 @@ class TrainerConfig(Section):
     max_staleness: int = Field(8, ge=0, description="Trajectories more policy versions behind are not trained on (DLQ'd).")
     freshness_decay: float = Field(1.0, gt=0, le=1, description="Loss weight freshness_decay ** staleness.")
     max_abs_reward: float = Field(
-        1e4, gt=0, description="A trajectory with a step reward or total reward beyond +-this is dead-lettered "
+        1e4, gt=0, description="A trajectory with a turn's reward or total reward beyond +-this is dead-lettered "
                                "(out-of-range) before it can reach the baseline or the loss.")
     max_trajectory_bytes: int = Field(
         16 * 1024 * 1024, ge=1024,
@@ -290,7 +298,7 @@ class TrainerConfig(Section):
                     "topic carries the original bytes up to the producer's limit (MAX_MESSAGE_BYTES in "
                     "sao/transport/kafka.py); beyond it only the headers, and the message stays at its source offset.")
     max_trajectory_tokens: int = Field(
-        65536, ge=16, description="A trajectory whose steps' rows (prompt + memory + recent steps + observation + action) "
+        65536, ge=16, description="A trajectory whose turns' rows (prompt + memory + recent turns + observation + action) "
                                   "hold more tokens than this in all, or one row more than the model's positions, is "
                                   "dead-lettered (too-large) before any tensor is built.")
     sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
@@ -338,7 +346,7 @@ class TrainerConfig(Section):
                                  "bounds the trainer's peak memory whatever the batch holds. A row longer than this "
                                  "(a whole trajectory with importance_level = 'sequence') is dead-lettered (too-large).")
     length_buckets: int = Field(
-        2, ge=1, description="At most this many forward passes per micro-batch: rows (steps) are sorted by length and "
+        2, ge=1, description="At most this many forward passes per micro-batch: rows (turns) are sorted by length and "
                              "split where that cuts the right-padding most (same loss and gradient, fewer positions "
                              "computed); 1 = one padded pass. A split that saves too few positions "
                              "(MIN_SPLIT_SAVING in sao/trainer/batch.py) is not made. "
@@ -413,7 +421,7 @@ class RunConfig(Section):
                              "only once the trainer has trained on it and published: staleness 0, no overlap. The "
                              "baseline of benchmarks/async_vs_sync.py.")
     max_trajectories_in_flight: int | None = Field(
-        None, ge=1, description="Backpressure: task attempts (trajectories to come; grpo sends each task group_size "
+        None, ge=1, description="Backpressure: task copies (trajectories to come; grpo sends each task group_size "
                                 "times) fed but not yet trained on, at most; unset = twice trainer.batch_size, "
                                 "grpo one batch. run.mode = sync ignores it: one batch at a time.")
     timeout_s: float | None = Field(None, gt=0, description="Abort the run after this many seconds of training (the "

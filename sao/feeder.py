@@ -22,24 +22,24 @@ class TasksNotAcknowledged(RuntimeError):
     """The broker did not acknowledge every task in time; the message names the broker."""
 
 
-def attempts_per_task(config: SaoConfig) -> int:
+def copies_per_task(config: SaoConfig) -> int:
     """SAO samples each task once; the GRPO baseline samples it group_size times."""
     return config.trainer.group_size if config.trainer.algorithm == "grpo" else 1
 
 
 def in_flight_cap(config: SaoConfig) -> int:
-    """Trajectories fed but not yet trained on, at most (never less than one task's attempts).
+    """Trajectories fed but not yet trained on, at most (never less than one task's copies).
 
     SAO: 2 batches, so samplers stay busy while the trainer steps, and staleness stays near 1.
     GRPO: one batch, i.e. synchronous - the next batch is sampled only with the new policy.
     """
     default = config.trainer.batch_size * (1 if config.trainer.algorithm == "grpo" else 2)
-    return max(config.run.max_trajectories_in_flight or default, attempts_per_task(config))
+    return max(config.run.max_trajectories_in_flight or default, copies_per_task(config))
 
 
 def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int = 0, producer=None,
                policy_version: int = 0) -> int:
-    """Produce tasks [start_index, start_index + count), each `attempts_per_task` times (acks=all),
+    """Produce tasks [start_index, start_index + count), each `copies_per_task` times (acks=all),
     to be sampled with at least `policy_version`.
 
     Returns how many task messages (= trajectories to expect) were acknowledged.
@@ -47,9 +47,9 @@ def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int =
     producer = producer or make_producer(bootstrap)
     sent = 0
     for task in make_tasks(config.env, count, start_index):
-        for attempt in range(attempts_per_task(config)):
-            # attempt makes the trajectory_id distinct
-            message = replace(task, attempt=attempt, policy_version=policy_version)
+        for copy in range(copies_per_task(config)):
+            # the copy index makes the trajectory_id distinct
+            message = replace(task, copy=copy, policy_version=policy_version)
             producer.produce(config.topics.tasks, value=encode(message), key=task.task_id)
             producer.poll(0)
             sent += 1
@@ -64,8 +64,8 @@ class Feeder:
 
     def __init__(self, config: SaoConfig, bootstrap: str):
         self.config, self.bootstrap = config, bootstrap
-        self.attempts = attempts_per_task(config)
-        self.total = config.run.num_tasks * self.attempts  # trajectories the run will produce
+        self.copies = copies_per_task(config)
+        self.total = config.run.num_tasks * self.copies  # trajectories the run will produce
         self.cap = in_flight_cap(config)
         self.producer = make_producer(bootstrap)
         self.fed = 0
@@ -80,8 +80,8 @@ class Feeder:
         """
         if self.sync:
             return self._release_batch(handled, policy_version)
-        wave = min(self.total - self.fed, self.cap - (self.fed - handled)) // self.attempts
-        sent = feed_tasks(self.config, self.bootstrap, wave, self.fed // self.attempts, self.producer) if wave > 0 else 0
+        wave = min(self.total - self.fed, self.cap - (self.fed - handled)) // self.copies
+        sent = feed_tasks(self.config, self.bootstrap, wave, self.fed // self.copies, self.producer) if wave > 0 else 0
         self.fed += sent
         record_feed(sent, self.fed - handled)
         return sent
@@ -96,9 +96,9 @@ class Feeder:
         if self.fed > handled or self.fed >= self.total:
             record_feed(0, self.fed - handled)
             return 0
-        tasks = min(self.total - self.fed, self.config.trainer.batch_size) // self.attempts
+        tasks = min(self.total - self.fed, self.config.trainer.batch_size) // self.copies
         released_at = time.time()
-        sent = feed_tasks(self.config, self.bootstrap, tasks, self.fed // self.attempts, self.producer, policy_version)
+        sent = feed_tasks(self.config, self.bootstrap, tasks, self.fed // self.copies, self.producer, policy_version)
         self.fed += sent
         self.releases.append({"released_at": released_at, "trajectories": sent, "policy_version": policy_version})
         record_feed(sent, self.fed - handled)

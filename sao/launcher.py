@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import env_class
-from sao.feeder import Feeder, attempts_per_task
+from sao.feeder import Feeder, copies_per_task
 from sao.report import build_summary, summary_table, write_report
 from sao.run_dir import RunDir
 from sao.status import (
@@ -173,7 +173,7 @@ def _rate(value: float | None, error: float | None, n: int) -> str:
 def _start_processes(config: SaoConfig, bootstrap: str, run_dir: RunDir) -> dict[str, subprocess.Popen]:
     """The trainer (told how many trajectories to expect) and `sampler.num_samplers` samplers."""
     common = ["--config", str(run_dir.config), "--bootstrap-servers", bootstrap, "--run-dir", str(run_dir.root)]
-    expected = config.run.num_tasks * attempts_per_task(config)
+    expected = config.run.num_tasks * copies_per_task(config)
     processes = {"trainer": _spawn(["trainer", *common, "--expect", str(expected)], run_dir.log("trainer"))}
     for i in range(config.sampler.num_samplers):
         name = f"sampler-{i}"

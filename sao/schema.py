@@ -116,13 +116,13 @@ class Task:
     task_id: str
     env: str
     spec: dict[str, Any]
-    attempt: int = 0
+    copy: int = 0  # which of the task's copies this is (grpo: 0 to group_size - 1); wire field `attempt`
     created_at: float = field(default_factory=time.time)
     # run.mode = sync: the sampler loads at least this version before it starts the task; 0 = any.
     policy_version: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {"task_id": self.task_id, "env": self.env, "spec": self.spec, "attempt": self.attempt,
+        return {"task_id": self.task_id, "env": self.env, "spec": self.spec, "attempt": self.copy,
                 "created_at": self.created_at, "policy_version": self.policy_version}
 
     @classmethod
@@ -131,7 +131,7 @@ class Task:
         version = _get(obj, "policy_version", int) if "policy_version" in obj else 0  # absent on the wire = 0
         _require(version >= 0, "policy_version", "must be >= 0")
         return cls(task_id=_get(obj, "task_id", str), env=_get(obj, "env", str), spec=spec,
-                   attempt=_get(obj, "attempt", int), created_at=float(_get(obj, "created_at", (int, float))),
+                   copy=_get(obj, "attempt", int), created_at=float(_get(obj, "created_at", (int, float))),
                    policy_version=version)
 
 
@@ -163,14 +163,14 @@ class Step:
 class Memory:
     """The compressed context table of one trajectory: one INT8 vector per kept step group."""
 
-    vectors: np.ndarray  # int8 [K, D]
+    vectors: np.ndarray  # int8 [K, memory_width]
     scales: np.ndarray  # float32 [K]; vector_fp32 = vectors * scale
     spans: np.ndarray  # int32 [K, 2]: first and last original step a slot stands for
     reward_sums: np.ndarray  # float32 [K]: rewards of the merged steps, so the return stays exact
 
     @classmethod
-    def empty(cls, dim: int) -> Memory:
-        return cls(np.zeros((0, dim), np.int8), np.zeros(0, np.float32), np.zeros((0, 2), np.int32),
+    def empty(cls, memory_width: int) -> Memory:
+        return cls(np.zeros((0, memory_width), np.int8), np.zeros(0, np.float32), np.zeros((0, 2), np.int32),
                    np.zeros(0, np.float32))
 
     def dequantized(self, count: int) -> np.ndarray:
@@ -306,9 +306,9 @@ class Trajectory:
     _step_buffers: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
-    def make_id(task_id: str, attempt: int) -> str:
+    def make_id(task_id: str, copy: int) -> str:
         """Deterministic from the task, so a redelivered task's trajectory dedups at the trainer."""
-        return f"{task_id}#{attempt}"
+        return f"{task_id}#{copy}"
 
     @property
     def total_reward(self) -> float:

@@ -151,7 +151,7 @@ class TrainerProgress:
         """run.mode = sync: all of the batch the feeder released is here or dead-lettered, so the
         buffer is trained as it is.
 
-        The feeder releases `batch_size` task attempts at a time, the next only after this batch's
+        The feeder releases `batch_size` task copies at a time, the next only after this batch's
         step; so once the count done with is a whole multiple of it, nothing more is coming.
         """
         return self.buffered > 0 and self.done_with % batch_size == 0
@@ -168,7 +168,7 @@ class TrainerProgress:
 
     @property
     def out_of_flight(self) -> int:
-        """Task attempts the feeder counts as no longer in flight: trained on or dead-lettered by the
+        """Task copies the feeder counts as no longer in flight: trained on or dead-lettered by the
         trainer in this life, or dead-lettered as a task by a sampler. A buffered trajectory is
         still in flight, so a sync batch is released only after the step that trained it."""
         return self.trajectories_trained + self.dead_lettered + self.tasks_dead_lettered

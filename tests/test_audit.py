@@ -1,5 +1,5 @@
 """`sao audit` against the real broker: a clean run audits clean; twice-trained, lost and dead-lettered
-attempts are named; garbage anywhere is counted, never a crash; rolled-back steps are not double training."""
+copies are named; garbage anywhere is counted, never a crash; rolled-back steps are not double training."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def test_a_broker_that_lost_the_run_cannot_audit_clean(kafka_bootstrap, tiny_con
     report = audit(config, run_dir, kafka_bootstrap, timeout=30, quiet_period=1)
     assert report.fed == 0 and not report.clean and report.unaccounted == 40
     assert (report.foreign_cluster == cluster) if cluster else report.foreign_cluster is None
-    assert any("cannot account for 40 of the 40 task attempts" in note for note in report.notes)
+    assert any("cannot account for 40 of the 40 task copies" in note for note in report.notes)
     config_path = tmp_path / "sao.toml"
     config_path.write_text(to_toml(config))
     result = _sao_audit(config_path, kafka_bootstrap, run_dir.root)

@@ -117,7 +117,8 @@ def test_trainer_threads_auto_shares_this_process_cpus_among_the_local_ranks(mon
 
 @pytest.mark.parametrize("old, new", [("trainer.whiten_advantages=false", "trainer.scale_advantages"),
                                       ("run.max_tasks_in_flight=4", "run.max_trajectories_in_flight"),
-                                      ("trainer.eval_every=2", "trainer.shadow_every")])
+                                      ("trainer.eval_every=2", "trainer.shadow_every"),
+                                      ("env.step_timeout_s=5", "env.turn_timeout_s")])
 def test_old_knob_names_are_refused_naming_the_new_one(old, new):
     with pytest.raises(ConfigError, match=new.replace(".", r"\.")) as refused:
         load_config(overrides=[old], environ={})

@@ -52,7 +52,7 @@ def test_trajectory_round_trip_is_exact():
 
 
 def test_task_and_announcement_round_trip():
-    task = Task(task_id="a/0/1", env="arithmetic", spec={"index": 1, "options": {"x": [1, 2]}}, attempt=2)
+    task = Task(task_id="a/0/1", env="arithmetic", spec={"index": 1, "options": {"x": [1, 2]}}, copy=2)
     assert decode(encode(task), Task) == task
     ann = PolicyAnnouncement(policy_version=4, weights_path="/w.safetensors", sha256="ab" * 32, num_bytes=10, trainer_step=8)
     assert decode(encode(ann), PolicyAnnouncement) == ann

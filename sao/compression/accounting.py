@@ -29,33 +29,33 @@ class ContextCost:
     bytes: int  # bytes holding those contexts, summed over steps
 
 
-def context_costs(prompt_tokens: int, step_tokens: Sequence[int], visible_slots: Sequence[int], dim: int,
-                  recent_window: int, slot_width: int | None = None) -> dict[str, ContextCost]:
+def context_costs(prompt_tokens: int, turn_tokens: Sequence[int], visible_slots: Sequence[int], dim: int,
+                  recent_window: int, memory_width: int | None = None) -> dict[str, ContextCost]:
     """Per-step contexts summed over the trajectory, after each compression stage.
 
-    `step_tokens[t]` is step t's observation + action token count and `visible_slots[t]` the
+    `turn_tokens[t]` is step t's observation + action token count and `visible_slots[t]` the
     memory slots its policy saw. At step t the context is the prompt, the steps older than the
     recent window (the part compression acts on), the last `recent_window` steps in full and
     step t itself. The older steps are:
       naive     their tokens;
       semantic  one float32 sentence embedding each;
       temporal  one float32 embedding per kept slot;
-      int8      one int8 vector (`slot_width` codes: the bottleneck's, default the encoder's `dim`) + float32
+      int8      one int8 vector (`memory_width` codes: the bottleneck's, default the encoder's `dim`) + float32
                 scale per kept slot: what sao's policy reads.
     """
-    slot_width = dim if slot_width is None else slot_width
-    if len(step_tokens) != len(visible_slots):
-        raise ValueError(f"{len(step_tokens)} step token counts but {len(visible_slots)} slot counts")
+    memory_width = dim if memory_width is None else memory_width
+    if len(turn_tokens) != len(visible_slots):
+        raise ValueError(f"{len(turn_tokens)} step token counts but {len(visible_slots)} slot counts")
     totals = {stage: [0, 0] for stage in STAGES}
     older_tokens = 0
-    for t, (current, slots) in enumerate(zip(step_tokens, visible_slots)):
+    for t, (current, slots) in enumerate(zip(turn_tokens, visible_slots)):
         older_steps = max(0, t - recent_window)
         if older_steps:
-            older_tokens += step_tokens[older_steps - 1]
-        recent = sum(step_tokens[older_steps:t])
+            older_tokens += turn_tokens[older_steps - 1]
+        recent = sum(turn_tokens[older_steps:t])
         text = prompt_tokens + recent + current  # always in full
         for stage, vectors, vector_bytes in (("semantic", older_steps, 4 * dim), ("temporal", slots, 4 * dim),
-                                             ("int8", slots, slot_width + 4)):
+                                             ("int8", slots, memory_width + 4)):
             totals[stage][0] += text + vectors
             totals[stage][1] += text * TOKEN_BYTES + vectors * vector_bytes
         totals["naive"][0] += text + older_tokens
@@ -66,14 +66,14 @@ def context_costs(prompt_tokens: int, step_tokens: Sequence[int], visible_slots:
 def trajectory_context_costs(trajectory: Trajectory, encoder_dim: int | None = None) -> dict[str, ContextCost]:
     """`context_costs` of a trajectory as the sampler sent it. Its memory's width is the int8 stage's; the
     embeddings before it are `encoder_dim` wide (default: the same, right when no bottleneck narrowed them)."""
-    width = trajectory.memory.vectors.shape[1]
+    memory_width = trajectory.memory.vectors.shape[1]
     return context_costs(
         len(trajectory.prompt_ids),
         [len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps],
         [s.memory_count for s in trajectory.steps],
-        encoder_dim or width,
+        encoder_dim or memory_width,
         trajectory.recent_window,
-        slot_width=width,
+        memory_width=memory_width,
     )
 
 

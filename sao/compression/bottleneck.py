@@ -160,7 +160,7 @@ def basis_name(bottleneck: Bottleneck | None) -> str:
     return bottleneck.identity if bottleneck is not None else ""
 
 
-def slot_width(bottleneck: Bottleneck | None, encoder_dim: int) -> int:
+def memory_width(bottleneck: Bottleneck | None, encoder_dim: int) -> int:
     """How many numbers a memory slot holds: the bottleneck's width, else the encoder's."""
     return bottleneck.width if bottleneck is not None else encoder_dim
 

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class MemoryTable:
     """Snapshot of a trajectory's memory: one row per slot, K slots."""
 
-    vectors: np.ndarray  # int8 [K, width]: the encoder's dim, or the bottleneck's width
+    vectors: np.ndarray  # int8 [K, memory_width]: the encoder's width, or the bottleneck's
     scales: np.ndarray  # float32 [K], per-vector absmax / 127
     spans: np.ndarray  # int32 [K, 2], first and last original step the slot stands for
     reward_sums: np.ndarray  # float32 [K], rewards of every step in the span
@@ -78,7 +78,7 @@ class _SlotTable:
         if bottleneck is not None and bottleneck.dim != dim:
             raise ValueError(f"the bottleneck reads {bottleneck.dim}-d embeddings but the encoder gives {dim}-d")
         self.bottleneck, self.recent_window = bottleneck, recent_window
-        self.dim = bottleneck.width if bottleneck is not None else dim  # the width slots are stored in
+        self.memory_width = bottleneck.width if bottleneck is not None else dim
         self.steps = 0
         self.vectors: list[np.ndarray] = []
         self.scales: list[float] = []
@@ -108,7 +108,7 @@ class _SlotTable:
 
     def table(self) -> MemoryTable:
         return MemoryTable(
-            vectors=np.array(self.vectors, dtype=np.int8).reshape(len(self.vectors), self.dim),
+            vectors=np.array(self.vectors, dtype=np.int8).reshape(len(self.vectors), self.memory_width),
             scales=np.array(self.scales, dtype=np.float32),
             spans=np.array(self.spans, dtype=np.int32).reshape(len(self.spans), 2),
             reward_sums=np.array(self.reward_sums, dtype=np.float32),
@@ -118,7 +118,7 @@ class _SlotTable:
     def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
         indices = list(slot_indices)
         if not indices:
-            return np.zeros((0, self.dim), dtype=np.float32)
+            return np.zeros((0, self.memory_width), dtype=np.float32)
         codes = np.stack([self.vectors[i] for i in indices])
         return dequantize_int8(codes, np.array([self.scales[i] for i in indices], dtype=np.float32))
 
@@ -154,8 +154,8 @@ class OnlineCompressor:
         """Slots the policy sees for the step about to be generated."""
         return self._slots.visible()
 
-    def finish_step(self, text: str, reward: float) -> Decision:
-        """Record a finished step (observation + action text, reward): keep it or merge it."""
+    def finish_turn(self, text: str, reward: float) -> Decision:
+        """Record a finished turn (observation + action text, reward): keep it or merge it."""
         started = time.perf_counter()
         embedding = self.encoder.encode([text])[0]
         encoded = time.perf_counter()
@@ -182,7 +182,7 @@ class OnlineCompressor:
             kept_slots=len(slots.scales),
             merged_steps=slots.steps - len(slots.scales),
             fp32_bytes=slots.steps * self.encoder.dim * 4,
-            int8_bytes=len(slots.scales) * (slots.dim + 4),
+            int8_bytes=len(slots.scales) * (slots.memory_width + 4),
             encode_seconds=self._seconds["encode"],
             filter_seconds=self._seconds["filter"],
             quantize_seconds=self._seconds["quantize"],

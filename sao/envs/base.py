@@ -53,7 +53,7 @@ class GenerationDefaults:
 
 
 class Env(Protocol):
-    """One episode at a time. `reset` returns the task prompt (kept in every step's context).
+    """One episode at a time. `reset` returns the task prompt (kept in every turn's context).
 
     The class also provides two classmethods: `from_config` builds an instance in each sampler,
     and `make_tasks` lists tasks for the feeder (`split="train"`) or for evaluation (`split="eval"`:

@@ -1,6 +1,6 @@
 """Call environment code (built-in or a user's plugin) so that its failures end one episode only.
 
-An env that raises, or runs past `env.step_timeout_s`, turns into `EnvFailure` with a DLQ
+An env that raises, or runs past `env.turn_timeout_s`, turns into `EnvFailure` with a DLQ
 reason ("env-error" or "env-timeout"; "invalid-task" for a spec the env refused as `InvalidTask`);
 the sampler dead-letters the task and goes on. The time limit uses SIGALRM, so it interrupts
 Python code in the sampler's main thread; code that runs untrusted programs (e.g. unit tests of
@@ -57,6 +57,6 @@ def call_env(what: str, function: Callable[..., T], *args, timeout_s: float) -> 
     except InvalidTask as err:
         raise EnvFailure("invalid-task", f"{what}: {err}") from err
     except _Timeout:
-        raise EnvFailure("env-timeout", f"{what} ran longer than env.step_timeout_s={timeout_s:g} s") from None
+        raise EnvFailure("env-timeout", f"{what} ran longer than env.turn_timeout_s={timeout_s:g} s") from None
     except Exception as err:  # the env is user code: any failure of it ends this episode only
         raise EnvFailure("env-error", f"{what} raised {type(err).__name__}: {err}") from err

@@ -1,6 +1,6 @@
 """A long-horizon text labyrinth: fetch gems from far vaults and bring them to the altar.
 
-Episodes run hundreds of steps: a maze of long corridors (a depth-first spanning tree of a grid
+Episodes run hundreds of turns: a maze of long corridors (a depth-first spanning tree of a grid
 with a few extra loops), gems in dead-end vaults, some vaults behind locked doors whose keys lie
 elsewhere, and distractor items. Every world is built deterministically from its task spec.
 Putting a gem on the altar earns 1/gems, so the return is the share of gems delivered; an

@@ -29,9 +29,9 @@ from sao.config import SaoConfig
 from sao.envs.registry import generation_settings
 from sao.offline.episodes import Episode, EpisodeStep, replay_episode
 from sao.policy.chat import ChatFormat
-from sao.policy.context import StepInput, step_tokens, training_inputs
+from sao.policy.context import TurnInput, training_inputs, turn_tokens
 from sao.policy.loading import load_tokenizer
-from sao.policy.model import MemoryPolicy, collate_steps
+from sao.policy.model import MemoryPolicy, collate_turns
 from sao.schema import Trajectory
 from sao.stats import stderr
 
@@ -44,7 +44,7 @@ class PreparedEpisode:
 
     episode: Episode
     trajectory: Trajectory
-    student: list[StepInput]  # prompt + memory + recent window + observation + action, per step
+    student: list[TurnInput]  # prompt + memory + recent window + observation + action, per step
     teacher_top: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per step: (token ids [n, k], probs [n, k])
 
 
@@ -73,23 +73,23 @@ def prepare(episodes: Sequence[Episode], config: SaoConfig, encoder, temporal_fi
     return prepared
 
 
-def full_text_input(trajectory: Trajectory, step: int) -> StepInput:
+def full_text_input(trajectory: Trajectory, step: int) -> TurnInput:
     """Step `step` with every earlier step as text and no memory: the teacher's context."""
     finished = [(s.observation_ids, s.action_ids) for s in trajectory.steps[:step]]
     current = trajectory.steps[step]
-    return StepInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
-                     step_tokens(finished, current.observation_ids, len(finished)), current.action_ids)
+    return TurnInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
+                     turn_tokens(finished, current.observation_ids, len(finished)), current.action_ids)
 
 
-def without_memory(student: StepInput) -> StepInput:
+def without_memory(student: TurnInput) -> TurnInput:
     """The same step without its memory slots: the recent window alone (truncation)."""
-    return StepInput(student.prompt_ids, np.zeros((0, student.memory.shape[1]), np.float32), student.context_ids,
+    return TurnInput(student.prompt_ids, np.zeros((0, student.memory.shape[1]), np.float32), student.context_ids,
                      student.action_ids)
 
 
-def no_history_input(trajectory: Trajectory, step: int) -> StepInput:
+def no_history_input(trajectory: Trajectory, step: int) -> TurnInput:
     current = trajectory.steps[step]
-    return StepInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
+    return TurnInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
                      np.asarray(current.observation_ids, np.int32), current.action_ids)
 
 
@@ -111,9 +111,9 @@ def episode_full_text_logprobs(policy: MemoryPolicy, trajectory: Trajectory) -> 
         return [_head(policy, hidden[positions]) for positions in targets]
 
 
-def context_logprobs(policy: MemoryPolicy, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
+def context_logprobs(policy: MemoryPolicy, inputs: Sequence[TurnInput]) -> list[torch.Tensor]:
     """Log-probs [n_i, V] at each input's action tokens, one batched forward (grad flows to the projector)."""
-    batch = collate_steps(list(inputs), policy.memory_dim).to(policy.projector.weight.device)
+    batch = collate_turns(list(inputs), policy.memory_width).to(policy.projector.weight.device)
     embeds = policy._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
     hidden = policy.lm.base_model(inputs_embeds=embeds, attention_mask=batch.attention_mask).last_hidden_state
     out = []
@@ -123,7 +123,7 @@ def context_logprobs(policy: MemoryPolicy, inputs: Sequence[StepInput]) -> list[
     return out
 
 
-def reconstruction_nll(policy: MemoryPolicy, examples: Sequence[StepInput]) -> torch.Tensor:
+def reconstruction_nll(policy: MemoryPolicy, examples: Sequence[TurnInput]) -> torch.Tensor:
     """Per-example mean NLL per text token of `sao.offline.reconstruction` examples (grad flows to the projector)."""
     out = []
     for example, logprobs in zip(examples, context_logprobs(policy, examples)):
@@ -186,7 +186,7 @@ def mean_kl(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: Se
 def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], steps: int, lr: float = 1e-3,
                     batch_size: int = 8, seed: int = 0, top_k: int = 64,
                     progress: Callable[[str, int, float], None] | None = None,
-                    reconstruction: Sequence[StepInput] = (), reconstruct_updates: int = 0,
+                    reconstruction: Sequence[TurnInput] = (), reconstruct_updates: int = 0,
                     reconstruct_batch: int = 16, reconstruct_weight: float = 0.0) -> list[float]:
     """Train `policy.projector` (only); returns the loss of every update.
 

@@ -2,7 +2,7 @@
 
 An `Episode` is what the compressor needs of a trajectory: each step's observation and action
 text and its reward. Its step text, `observation + "\\n" + action`, is exactly what the sampler
-hands `OnlineCompressor.finish_step` (step 0's observation is the task prompt).
+hands `OnlineCompressor.finish_turn` (turn 0's observation is the task prompt).
 
 Two file formats are read, told apart by their first byte:
 - JSONL (`sao compression record` writes it): one episode per line,
@@ -27,7 +27,7 @@ import numpy as np
 
 from sao.envs.textworld import TextWorldEnv
 from sao.envs.textworld_agents import Agent, expert_action
-from sao.policy.chat import step_text, user_turn_text
+from sao.policy.chat import turn_text, user_turn_text
 from sao.schema import Memory, SchemaError, Step, Trajectory, decode, encode
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Episode:
 
     def texts(self) -> list[str]:
         """Each step's text as the sampler encodes it: observation, newline, action."""
-        return [step_text(step.observation, step.action) for step in self.steps]
+        return [turn_text(step.observation, step.action) for step in self.steps]
 
     def rewards(self) -> list[float]:
         return [step.reward for step in self.steps]

@@ -25,16 +25,16 @@ import numpy as np
 import torch
 
 from sao.offline.align import PreparedEpisode, reconstruction_nll, summarise
-from sao.offline.episodes import step_text
+from sao.offline.episodes import turn_text
 from sao.policy.chat import token_ids
-from sao.policy.context import StepInput
+from sao.policy.context import TurnInput
 from sao.policy.model import MemoryPolicy
 
 PREFIX = "Earlier step:"
 MAX_TEXT_TOKENS = 48  # a step's text ends with what the slot must name: the room, the item, the command
 
 
-def slot_examples(prepared: Sequence[PreparedEpisode], tokenizer) -> list[StepInput]:
+def slot_examples(prepared: Sequence[PreparedEpisode], tokenizer) -> list[TurnInput]:
     """One reconstruction example per memory slot of each prepared episode, in order."""
     prefix, newline = token_ids(tokenizer, PREFIX), token_ids(tokenizer, "\n")
     examples = []
@@ -43,20 +43,20 @@ def slot_examples(prepared: Sequence[PreparedEpisode], tokenizer) -> list[StepIn
         vectors = memory.dequantized(len(memory.vectors))
         for vector, (first, _) in zip(vectors, memory.spans):
             step = item.episode.steps[int(first)]
-            text = token_ids(tokenizer, step_text(step.observation, step.action))[-MAX_TEXT_TOKENS:]
-            examples.append(StepInput(prefix, vector[None, :], newline, text))
+            text = token_ids(tokenizer, turn_text(step.observation, step.action))[-MAX_TEXT_TOKENS:]
+            examples.append(TurnInput(prefix, vector[None, :], newline, text))
     return examples
 
 
-def with_other_slot(examples: Sequence[StepInput], shift: int) -> list[StepInput]:
+def with_other_slot(examples: Sequence[TurnInput], shift: int) -> list[TurnInput]:
     """Each example with the slot of the example `shift` places on: same text, wrong content."""
     count = len(examples)
-    return [StepInput(x.prompt_ids, examples[(i + shift) % count].memory, x.context_ids, x.action_ids)
+    return [TurnInput(x.prompt_ids, examples[(i + shift) % count].memory, x.context_ids, x.action_ids)
             for i, x in enumerate(examples)]
 
 
 @torch.no_grad()
-def content_nll(policy: MemoryPolicy, examples: Sequence[StepInput], batch_size: int = 16) -> dict[str, float]:
+def content_nll(policy: MemoryPolicy, examples: Sequence[TurnInput], batch_size: int = 16) -> dict[str, float]:
     """Held-out per-token NLL of each step's text under its own slot vs another step's slot.
 
     `other - own` > 0 is what the soft token says about *this* step; ~0 means it carries no content.

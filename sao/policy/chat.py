@@ -1,4 +1,4 @@
-"""What the policy reads as text: chat-template pieces as token ids, and one step's text for the encoder.
+"""What the policy reads as text: chat-template pieces as token ids, and one turn's text for the encoder.
 
 The one place that knows the chat template's shape. Both the sampler (building contexts) and
 the offline tools (rebuilding text from token ids, replaying recorded episodes) go through it.
@@ -23,9 +23,9 @@ _CHATML_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
 
 
 class ChatFormat:
-    """Chat-template pieces as token ids, split so that steps concatenate into a valid chat.
+    """Chat-template pieces as token ids, split so that turns concatenate into a valid chat.
 
-    prompt = system + user(task); step 0's observation = the assistant header; a later
+    prompt = system + user(task); turn 0's observation = the assistant header; a later
     observation = end of the previous turn + user(feedback) + assistant header.
     """
 
@@ -97,7 +97,7 @@ def token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> np.ndarray:
 
 
 def user_turn_text(tokenizer: PreTrainedTokenizerBase, ids) -> str:
-    """The content of the last user turn in token ids (a step's observation, or the prompt)."""
+    """The content of the last user turn in token ids (a turn's observation, or the prompt)."""
     decoded = tokenizer.decode(list(map(int, ids)), skip_special_tokens=False)
     found = _CHATML_USER.findall(decoded)
     if found:
@@ -106,6 +106,6 @@ def user_turn_text(tokenizer: PreTrainedTokenizerBase, ids) -> str:
     return tokenizer.decode(list(map(int, ids)), skip_special_tokens=True).strip()
 
 
-def step_text(observation: str, action: str) -> str:
-    """One finished step as the sentence encoder reads it (step 0's observation is the task prompt)."""
+def turn_text(observation: str, action: str) -> str:
+    """One finished turn as the sentence encoder reads it (turn 0's observation is the task prompt)."""
     return f"{observation}\n{action}"

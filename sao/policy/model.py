@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sao.policy.context import StepInput
+from sao.policy.context import TurnInput
 from sao.policy.sampling import StopRule, nucleus
 
 
@@ -40,11 +40,11 @@ class ScoringBatch:
         return replace(self, **moved)
 
 
-def collate_steps(inputs: list[StepInput], memory_dim: int, temperatures: list[float] | None = None) -> ScoringBatch:
+def collate_turns(inputs: list[TurnInput], memory_width: int, temperatures: list[float] | None = None) -> ScoringBatch:
     lengths = [x.positions for x in inputs]
     rows, width = len(inputs), max(lengths)
     token_ids = torch.zeros(rows, width, dtype=torch.long)
-    memory_vectors = torch.zeros(rows, width, memory_dim)
+    memory_vectors = torch.zeros(rows, width, memory_width)
     memory_mask = torch.zeros(rows, width, dtype=torch.bool)
     attention_mask = torch.zeros(rows, width, dtype=torch.long)
     action_mask = torch.zeros(rows, width, dtype=torch.bool)
@@ -91,11 +91,11 @@ def action_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
 class MemoryPolicy(nn.Module):
     """Causal LM + memory projector. `forward` scores action tokens; `sample` generates them."""
 
-    def __init__(self, lm: nn.Module, memory_dim: int, value_head: bool = False):
+    def __init__(self, lm: nn.Module, memory_width: int, value_head: bool = False):
         super().__init__()
         self.lm = lm
-        self.memory_dim = memory_dim
-        self.projector = nn.Linear(memory_dim, lm.config.hidden_size)
+        self.memory_width = memory_width
+        self.projector = nn.Linear(memory_width, lm.config.hidden_size)
         nn.init.zeros_(self.projector.weight)
         nn.init.zeros_(self.projector.bias)
         # Optional state-value head on the last context position (trainer only; never published).
@@ -132,14 +132,14 @@ class MemoryPolicy(nn.Module):
         return scored, self.value_head(last_hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
     @torch.no_grad()
-    def sample(self, step: StepInput, max_new_tokens: int, temperature: float, stop: StopRule,
+    def sample(self, step: TurnInput, max_new_tokens: int, temperature: float, stop: StopRule,
                generator: torch.Generator | None = None, greedy: bool = False,
                top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """One action for one context; see `sample_batch`."""
         return self.sample_batch([step], max_new_tokens, temperature, stop, generator, greedy, top_p)[0]
 
     @torch.no_grad()
-    def sample_batch(self, steps: list[StepInput], max_new_tokens: int, temperature: float, stop: StopRule,
+    def sample_batch(self, steps: list[TurnInput], max_new_tokens: int, temperature: float, stop: StopRule,
                      generator: torch.Generator | None = None, greedy: bool = False, top_p: float = 1.0
                      ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Sample one action per context, all rows in one batched forward per token.
@@ -150,7 +150,7 @@ class MemoryPolicy(nn.Module):
         and their log-probs under the distribution actually sampled: logits / temperature,
         truncated to the top-p nucleus. `greedy` takes the argmax instead (evaluation).
         """
-        batch = collate_steps(steps, self.memory_dim)
+        batch = collate_turns(steps, self.memory_width)
         lengths = batch.attention_mask.sum(dim=1)
         width = batch.token_ids.shape[1]
         device = self.projector.weight.device

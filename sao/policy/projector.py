@@ -48,7 +48,7 @@ def save_projector(projector: nn.Linear, path: Path | str, meta: dict) -> None:
     state = {"weight": projector.weight.detach().to("cpu", torch.float32).contiguous(),
              "bias": projector.bias.detach().to("cpu", torch.float32).contiguous()}
     save_file(state, str(path))
-    full = {"format": PROJECTOR_FORMAT, "memory_dim": projector.in_features,
+    full = {"format": PROJECTOR_FORMAT, "memory_width": projector.in_features,
             "hidden_size": projector.out_features, **meta}
     sidecar_path(path).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 

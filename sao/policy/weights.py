@@ -225,16 +225,16 @@ def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:
     return name == "lm.lm_head.weight" and bool(getattr(policy.lm.config, "tie_word_embeddings", False))
 
 
-def build_policy(config: PolicyConfig, memory_dim: int, value_head: bool = False,
+def build_policy(config: PolicyConfig, memory_width: int, value_head: bool = False,
                  encoder: str | None = None, bottleneck: Bottleneck | None = None) -> MemoryPolicy:
     """Version 0 of the policy, identical in every process: base LM + projector.
 
     With `encoder` (the compression.encoder setting) the projector is what `policy.projector`
     names (sao/policy/projector.py: the aligned one shipped for this model + encoder, else zero),
-    composed with `bottleneck` when memory travels narrowed (then `memory_dim` is its width);
+    composed with `bottleneck` when memory travels narrowed (then `memory_width` is its width);
     without `encoder`, zero.
     """
-    policy = MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_dim, value_head)
+    policy = MemoryPolicy(load_language_model(config.model, config.cache_dir, seed=config.seed), memory_width, value_head)
     if encoder is not None:
         logger.info(apply_projector_setting(policy.projector, config.projector, config.model, encoder, bottleneck))
     return policy

@@ -114,7 +114,7 @@ class Scorer:
         self.loaded_version = version
 
     def score(self, version: int, tasks: list[Task], greedy: bool = True) -> tuple[TaskScores, dict[str, str]]:
-        """Per task: first-try success (the first step's reward >= 1), second-try success (see
+        """Per task: first-try success (the first turn's reward >= 1), second-try success (see
         `attempt_success`) and total reward; and the tasks whose env failed, with the failure."""
         self.load(version)
         scores: TaskScores = {}

@@ -120,7 +120,7 @@ class Sampler:
                     self.counters["idle_s"] += time.perf_counter() - idle_from
                     idle_from = None
                 if live:
-                    outcomes = self.roller.step([episode for episode, _ in live])
+                    outcomes = self.roller.take_turn([episode for episode, _ in live])
                     for (episode, msg), outcome in zip(live, outcomes):
                         if outcome is not None:
                             self._finish(msg, episode.task, outcome)
@@ -430,5 +430,5 @@ def _live_episodes(live: list[tuple[LiveEpisode, object]]) -> list[dict]:
     """The episodes running now and when each started (unix time): what a crash now would throw away
     (benchmarks/recovery.py measures it)."""
     now, clock = time.time(), time.perf_counter()
-    return [{"task_id": episode.task.task_id, "attempt": episode.task.attempt,
+    return [{"task_id": episode.task.task_id, "copy": episode.task.copy,
              "started_at": now - (clock - episode.started)} for episode, _ in live]

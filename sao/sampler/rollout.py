@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from sao.compression.accounting import compression_stats
-from sao.compression.bottleneck import Bottleneck, basis_name, describe, resolve_bottleneck, slot_width
+from sao.compression.bottleneck import Bottleneck, basis_name, describe, memory_width, resolve_bottleneck
 from sao.compression.pipeline import OnlineCompressor
 from sao.compression.semantic import SemanticEncoder, load_encoder
 from sao.compression.temporal import TemporalFilter, load_temporal_filter
@@ -18,8 +18,8 @@ from sao.config import SaoConfig
 from sao.envs.base import Env
 from sao.envs.guard import EnvFailure, call_env
 from sao.envs.registry import generation_settings, make_env
-from sao.policy.chat import ChatFormat, step_text
-from sao.policy.context import StepInput, step_tokens
+from sao.policy.chat import ChatFormat, turn_text
+from sao.policy.context import TurnInput, turn_tokens
 from sao.policy.loading import load_tokenizer
 from sao.policy.model import MemoryPolicy
 from sao.policy.weights import build_policy, place_for_sampling
@@ -29,14 +29,14 @@ logger = logging.getLogger(__name__)
 
 
 class LiveEpisode:
-    """One episode in progress: its env, its online compressor and the steps taken so far."""
+    """One episode in progress: its env, its online compressor and the turns taken so far."""
 
     def __init__(self, roller: Roller, task: Task, env: Env, behaviour_version: int):
         self.roller, self.task, self.env = roller, task, env
         self.behaviour_version = behaviour_version
         self.started = time.perf_counter()
         self.generate_s = 0.0  # time in the batched generations this episode took part in
-        self.limit = roller.config.env.step_timeout_s
+        self.limit = roller.config.env.turn_timeout_s
         task_text = call_env("env.reset", env.reset, task.spec, timeout_s=self.limit)
         self.prompt_ids = roller.chat.prompt(task_text)
         self.observation_text, self.observation_ids = task_text, roller.chat.first_observation(task_text)
@@ -50,14 +50,14 @@ class LiveEpisode:
         self.done = False
         self.visible = 0
 
-    def next_input(self) -> StepInput:
+    def next_input(self) -> TurnInput:
         self.visible = len(self.compressor.visible_slots())  # always the first `visible` slots
-        return StepInput(self.prompt_ids, self.compressor.dequantized(list(range(self.visible))),
-                         step_tokens(self.finished, self.observation_ids, self.roller.config.compression.recent_window),
+        return TurnInput(self.prompt_ids, self.compressor.dequantized(list(range(self.visible))),
+                         turn_tokens(self.finished, self.observation_ids, self.roller.config.compression.recent_window),
                          np.zeros(0, np.int32))
 
     def advance(self, action_ids: np.ndarray, logprobs: np.ndarray) -> None:
-        """Show the action to the env, record the step, compress it if a later step will need it."""
+        """Show the action to the env, record the turn, compress it if a later turn will need it."""
         action_text = self.roller.chat.action_text(action_ids)
         feedback = call_env("env.step", self.env.step, action_text, timeout_s=self.limit)
         self.steps.append(Step(self.observation_ids, action_ids, logprobs, feedback.reward, feedback.done,
@@ -65,20 +65,20 @@ class LiveEpisode:
         self.finished.append((self.observation_ids, action_ids))
         self.done = feedback.done or len(self.steps) >= self.roller.config.env.max_turns
         if not self.done:
-            self.compressor.finish_step(step_text(self.observation_text, action_text), feedback.reward)
+            self.compressor.finish_turn(turn_text(self.observation_text, action_text), feedback.reward)
             self.observation_text = feedback.observation
             self.observation_ids = self.roller.chat.feedback_observation(feedback.observation, action_ids)
 
     def trajectory(self) -> Trajectory:
         config, generation, steps = self.roller.config, self.roller.generation, self.steps
         table = self.compressor.memory()
-        # Slots become visible in creation order, so the ones no step ever saw form a tail:
+        # Slots become visible in creation order, so the ones no turn ever saw form a tail:
         # the episode ended before they left the recent window. They are not sent.
         used = max((step.memory_count for step in steps), default=0)
         memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
         stages = self.compressor.stats()
         return Trajectory(
-            trajectory_id=Trajectory.make_id(self.task.task_id, self.task.attempt), task_id=self.task.task_id,
+            trajectory_id=Trajectory.make_id(self.task.task_id, self.task.copy), task_id=self.task.task_id,
             env=self.task.env, sampler_id=self.roller.sampler_id, behaviour_version=self.behaviour_version,
             prompt_ids=self.prompt_ids, steps=steps, memory=memory, temperature=generation.temperature,
             top_p=generation.top_p, encoder=self.roller.encoder.name, recent_window=config.compression.recent_window,
@@ -94,10 +94,10 @@ class LiveEpisode:
 class Roller:
     """Runs episodes with the current policy; the policy object is swapped in place on reload.
 
-    Several single-trajectory episodes run side by side: `step` generates one turn for each of
+    Several single-trajectory episodes run side by side: `take_turn` generates one turn for each of
     them in one batched forward pass per token (each is still its own trajectory, own env).
     `rollout_batch` runs a fixed set of tasks to the end; the sampler instead refills a slot
-    as soon as its episode ends (`start` + `step`).
+    as soon as its episode ends (`start` + `take_turn`).
     """
 
     def __init__(self, config: SaoConfig, policy: MemoryPolicy, encoder: SemanticEncoder,
@@ -135,7 +135,7 @@ class Roller:
         temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
         bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)
         logger.info(describe(bottleneck, encoder.dim))
-        policy = build_policy(config.policy, slot_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
+        policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
                               bottleneck=bottleneck)
         return cls(config, place_for_sampling(policy, config.sampler.device), encoder, temporal_filter, sampler_id,
                    seed, bottleneck=bottleneck)
@@ -154,7 +154,7 @@ class Roller:
         except EnvFailure as failure:
             return failure
 
-    def step(self, episodes: list[LiveEpisode], greedy: bool = False) -> list[Trajectory | EnvFailure | None]:
+    def take_turn(self, episodes: list[LiveEpisode], greedy: bool = False) -> list[Trajectory | EnvFailure | None]:
         """One turn of every episode, generated as one batch. Per episode: its trajectory if that
         turn ended it, its EnvFailure if the env failed, or None while it goes on."""
         generation = self.generation
@@ -196,7 +196,7 @@ class Roller:
             if not live:
                 return results
             indices = list(live)
-            for index, outcome in zip(indices, self.step([live[i] for i in indices], greedy)):
+            for index, outcome in zip(indices, self.take_turn([live[i] for i in indices], greedy)):
                 if outcome is not None:
                     results[index] = outcome
                     del live[index]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from sao.config import TrainerConfig
 from sao.policy.context import training_inputs
-from sao.policy.model import ScoringBatch, collate_steps
+from sao.policy.model import ScoringBatch, collate_turns
 from sao.schema import Trajectory
 from sao.trainer.baselines import RewardBaseline, mean_at_turn
 from sao.trainer.distributed import world_size
@@ -49,7 +49,7 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     """Per-turn advantages for the whole batch against the baselines as they stand (`record_rewards` updates them).
 
     SAO: a turn's return minus that turn's baseline (`trainer.baseline_key`; never a group mean, which
-    is zero at group size 1). GRPO: minus the mean return at that turn of its group's attempts.
+    is zero at group size 1). GRPO: minus the mean return at that turn of its group's copies.
     Whitening scales over every turn of the batch and keeps each advantage's sign; only with
     `center_advantages` does it subtract the batch mean too (then a baseline equal for the whole
     batch, `env`, cancels).
@@ -67,7 +67,7 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
 
 
 def _group_means(batch: list[Trajectory], returns: list[list[float]]) -> list[list[float]]:
-    """GRPO's baseline: the mean return at each turn over the attempts of the same task that reached it."""
+    """GRPO's baseline: the mean return at each turn over the copies of the same task that reached it."""
     groups: dict[str, list[int]] = {}
     for index, trajectory in enumerate(batch):
         groups.setdefault(trajectory.task_id, []).append(index)
@@ -115,7 +115,7 @@ def all_rows(plan: BatchPlan, indices: list[int]) -> list[Row]:
 
 
 def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: TrainerConfig,
-              memory_dim: int, base_policy: torch.nn.Module | None = None) -> tuple[torch.Tensor, LossStats]:
+              memory_width: int, base_policy: torch.nn.Module | None = None) -> tuple[torch.Tensor, LossStats]:
     """Forward the given rows of the plan; with none, one row at weight 0 keeps an idle rank in step.
 
     With `base_policy` (a frozen copy of the base) the rows are scored by it too, for the KL to the base.
@@ -136,7 +136,7 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
         returns.append(plan.returns[index][turn])  # the value head's target
         freshness.append(fresh)
     device = engine.device
-    scoring = collate_steps(inputs, memory_dim, temperatures).to(device)
+    scoring = collate_turns(inputs, memory_width, temperatures).to(device)
     behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=device)
     for row, row_logprobs in enumerate(behaviour):
         behaviour_logprobs[row, scoring.action_mask[row]] = row_logprobs.to(device)

@@ -74,7 +74,7 @@ class ReplayBuffer:
             self.add(entry)
 
     def take_groups(self, groups: int, group_size: int, allow_fewer: bool = False) -> list[BufferEntry]:
-        """`groups` whole groups (all `group_size` attempts of a task), in the order groups completed.
+        """`groups` whole groups (all `group_size` copies of a task), in the order groups completed.
 
         Takes nothing unless that many groups are complete, or `allow_fewer` is set.
         """

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sao import metrics
-from sao.compression.bottleneck import basis_name, describe, resolve_bottleneck, slot_width
+from sao.compression.bottleneck import basis_name, describe, memory_width, resolve_bottleneck
 from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import turn_credit
@@ -103,12 +103,12 @@ class Trainer:
         config = self.config
         full_width = encoder_dim(config.compression.encoder)  # read from the encoder's folder: no model load
         bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder_name(config.compression.encoder))
-        self.memory_dim = slot_width(bottleneck, full_width)
+        self.memory_width = memory_width(bottleneck, full_width)
         log.info(describe(bottleneck, full_width))
-        policy = build_policy(config.policy, self.memory_dim, config.trainer.value_head, config.compression.encoder,
+        policy = build_policy(config.policy, self.memory_width, config.trainer.value_head, config.compression.encoder,
                               bottleneck)
         validator = TrajectoryValidator.for_model(  # before ZeRO-3 wraps the policy
-            policy, self.memory_dim, config, basis_name(bottleneck))
+            policy, self.memory_width, config, basis_name(bottleneck))
         # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
         self.base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
         self._started("model")
@@ -301,7 +301,7 @@ class Trainer:
         cfg, version = self.config.trainer, self.state.policy_version
         started = time.perf_counter()
         outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
-                             lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_dim,
+                             lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_width,
                              self.accumulation, lambda: self.stopping, self.base_policy)
         if outcome.interrupted:
             log.info("stopped during a step: its batch of %d goes back to the buffer, untrained", len(batch))

@@ -54,7 +54,7 @@ class StepOutcome:
 
 
 def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], BatchPlan], cfg: TrainerConfig,
-               memory_dim: int, accumulation: int, stop_requested: Callable[[], bool] = lambda: False,
+               memory_width: int, accumulation: int, stop_requested: Callable[[], bool] = lambda: False,
                base_policy: torch.nn.Module | None = None) -> StepOutcome:
     """Score `plan` and step; `replan` makes the plan of a smaller batch (advantages depend on the batch).
     `base_policy`: a frozen copy of the base, for the KL to it (`TrainerConfig.keeps_base_policy`).
@@ -65,7 +65,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     dead_letters: list[tuple[Trajectory, str, str]] = []
     while True:
         try:
-            outcome = _forward_backward_step(engine, plan, cfg, memory_dim, accumulation, stop_requested, base_policy)
+            outcome = _forward_backward_step(engine, plan, cfg, memory_width, accumulation, stop_requested, base_policy)
             if outcome.interrupted:
                 return outcome
             break
@@ -73,7 +73,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
             if world_size() > 1:
                 raise
             reset_after_failed_pass(engine)
-            unscorable = _unscorable(engine, plan, cfg, memory_dim)
+            unscorable = _unscorable(engine, plan, cfg, memory_width)
             if not unscorable:  # not one trajectory's fault but the batch's (its memory, say), or the trainer's
                 raise RuntimeError(f"training on a batch of {len(plan.trajectories)} failed ({type(err).__name__}: {err}), "
                                    "yet each of its trajectories scores alone; if it ran out of memory, lower "
@@ -96,7 +96,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     return outcome
 
 
-def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int, accumulation: int,
+def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_width: int, accumulation: int,
                            stop_requested: Callable[[], bool], base_policy: torch.nn.Module | None) -> StepOutcome:
     """Forward, backward and optimizer step over the batch: `accumulation` chunks of trajectories,
     shared among the ranks, each scored in passes of at most `trainer.micro_batch_tokens` positions."""
@@ -114,7 +114,7 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_d
         # count of micro-steps is off, and the retried batch would step in the middle.
         engine.set_gradient_accumulation_boundary(index == len(passes) - 1)
         t0 = time.perf_counter()
-        loss, stats = rank_loss(engine, plan, rows, normaliser, cfg, memory_dim, base_policy)
+        loss, stats = rank_loss(engine, plan, rows, normaliser, cfg, memory_width, base_policy)
         if not torch.isfinite(loss):
             # A NaN seed gradient makes every gradient it reaches NaN: DeepSpeed then skips the
             # step on all ranks, and the gradients of earlier passes go with it.
@@ -134,14 +134,14 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_d
                        optimizer_s=optimizer_s)
 
 
-def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig, memory_dim: int) -> list[tuple[Trajectory, str, str]]:
+def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig, memory_width: int) -> list[tuple[Trajectory, str, str]]:
     """The trajectories of `plan` that raise when scored alone (forward only), with their errors."""
     failed = []
     for index, trajectory in enumerate(plan.trajectories):
         alone = BatchPlan([trajectory], [plan.advantages[index]], [plan.staleness[index]], [plan.returns[index]])
         try:
             with torch.no_grad():
-                rank_loss(engine, alone, all_rows(alone, [0]), 1.0, cfg, memory_dim)
+                rank_loss(engine, alone, all_rows(alone, [0]), 1.0, cfg, memory_width)
         except Exception as err:  # noqa: BLE001 - the error is the finding: it goes to the DLQ with the trajectory
             reset_after_failed_pass(engine)
             log.warning("trajectory %s raises when scored: %s: %s", trajectory.trajectory_id, type(err).__name__, err)

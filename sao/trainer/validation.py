@@ -36,7 +36,7 @@ class TrajectoryValidator:
     """What this trainer's model and config accept; `validate` raises SchemaError on the first misfit."""
 
     vocab_size: int  # token ids must lie in [0, vocab_size)
-    memory_dim: int  # width of every memory vector (the encoder's, or the bottleneck's)
+    memory_width: int  # width of every memory vector (the encoder's, or the bottleneck's)
     max_abs_reward: float
     max_bytes: int
     max_turns: int | None = None  # env.max_turns: a sampler ends every episode there
@@ -48,7 +48,7 @@ class TrajectoryValidator:
     whole_trajectory_pass: bool = False  # sequence-level importance: all of a trajectory's rows share a pass
 
     @classmethod
-    def for_model(cls, model: nn.Module, memory_dim: int, config: SaoConfig,
+    def for_model(cls, model: nn.Module, memory_width: int, config: SaoConfig,
                   memory_basis: str = "") -> TrajectoryValidator:
         """Limits of `model` (a MemoryPolicy: ids index its input embeddings and its output logits) and of the run."""
         lm = model.lm
@@ -56,7 +56,7 @@ class TrajectoryValidator:
         output = lm.get_output_embeddings()
         if output is not None:
             vocab_size = min(vocab_size, output.out_features)
-        return cls(vocab_size, memory_dim, config.trainer.max_abs_reward, config.trainer.max_trajectory_bytes,
+        return cls(vocab_size, memory_width, config.trainer.max_abs_reward, config.trainer.max_trajectory_bytes,
                    config.env.max_turns, task_env(config.env.name), memory_basis,
                    config.trainer.max_trajectory_tokens, getattr(lm.config, "max_position_embeddings", None),
                    config.trainer.micro_batch_tokens,
@@ -164,10 +164,10 @@ class TrajectoryValidator:
                               f"memory is coded in basis {trajectory.memory_basis or 'none (full width)'!r}; this "
                               f"trainer reads {self.memory_basis or 'none (full width)'!r} "
                               "(compression.bottleneck must be the same in samplers and trainer)")
-        if memory.vectors.shape[1] != self.memory_dim:
+        if memory.vectors.shape[1] != self.memory_width:
             raise SchemaError("invalid-memory", "memory.vectors",
                               f"vectors are {memory.vectors.shape[1]} wide; this trainer's memory is "
-                              f"{self.memory_dim} wide")
+                              f"{self.memory_width} wide")
         scales = memory.scales
         # Scales within [0, MAX_MEMORY_SCALE] are finite (NaN and inf fail the comparisons), so only
         # scales out of range take the finiteness pass that tells the two faults apart.

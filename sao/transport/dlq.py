@@ -195,7 +195,7 @@ def _task_trajectory_id(value: bytes | None) -> str | None:
         task = decode(value, Task)
     except SchemaError:
         return None
-    return Trajectory.make_id(task.task_id, task.attempt)
+    return Trajectory.make_id(task.task_id, task.copy)
 
 
 def _int_or_none(text: str | None) -> int | None:

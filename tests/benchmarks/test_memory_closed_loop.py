@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sao.offline.align import context_logprobs
-from sao.policy.context import StepInput
+from sao.policy.context import TurnInput
 from sao.policy.weights import build_policy
 from support.benchmark_modules import load_benchmark
 
@@ -35,7 +35,7 @@ def test_command_logprobs_equal_scoring_each_command_after_the_whole_context(tin
     with torch.no_grad():
         fast = bench.command_logprobs(policy, prompt, memory, context, commands)
         slow = [float(lp.gather(-1, torch.as_tensor(c, dtype=torch.long)[:, None]).sum())
-                for c, lp in zip(commands, context_logprobs(policy, [StepInput(prompt, memory, context, c)
+                for c, lp in zip(commands, context_logprobs(policy, [TurnInput(prompt, memory, context, c)
                                                                      for c in commands]))]
         without_memory = bench.command_logprobs(policy, prompt, memory[:0], context, commands)
     assert fast == pytest.approx(slow, abs=1e-4)

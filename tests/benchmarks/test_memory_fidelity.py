@@ -23,7 +23,7 @@ def test_memory_fidelity_tiny(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "memory_fidelity.py"), "--model", "tiny",
                "--labyrinth-episodes", "1", "--tutoring-episodes", "1", "--min-steps", "12", "--max-steps", "16",
                "--steps-per-episode", "4", "--align-updates", "2", "--align-episodes", "1", "--longest-step", "100",
-               "--memory-dim", "8", "--json", str(out)]
+               "--memory-width", "8", "--json", str(out)]
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True, timeout=1200)
     result = json.loads(out.read_text())
     headline = result["headline"]
@@ -43,7 +43,7 @@ def test_memory_fidelity_tiny(tmp_path):
         # The zero projector's soft tokens are zero vectors, not absent ones: its NLL differs from truncation's,
         # but the aligned projector must differ from it (it was trained).
         assert summary["sao"]["nll"] != summary["zero"]["nll"]
-        assert summary["wire"]["slot_bytes"] == summary["wire"]["slots"] * (8 + 4)  # --memory-dim 8: 8 codes + a scale
+        assert summary["wire"]["slot_bytes"] == summary["wire"]["slots"] * (8 + 4)  # --memory-width 8: 8 codes + a scale
     lengths = result["context_lengths"]
     assert set(lengths) == {"10", "100"}
     assert lengths["100"]["full"] > lengths["10"]["full"]
@@ -86,7 +86,7 @@ def test_wire_cost_counts_slots_against_the_token_ids_of_the_steps_they_span(tin
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [("--keep-threshold", "5", "compression.keep_threshold"),
-                                                         ("--memory-dim", "0", "--memory-dim"),
+                                                         ("--memory-width", "0", "--memory-width"),
                                                          ("--bottleneck", "/no/such/basis.safetensors",
                                                           "compression.bottleneck")])
 def test_bad_memory_settings_are_refused_naming_them(flag, value, message):

@@ -29,7 +29,7 @@ def test_full_text_holds_the_fact_and_the_recent_window_only_when_it_is_the_last
     distances = set()
     for task in make_tasks(config.env, 12, split="eval"):
         episode = build_episode(task.spec)
-        (question,) = bench.questions_of(chat, task.spec, recent_window=1, memory_dim=3)
+        (question,) = bench.questions_of(chat, task.spec, recent_window=1, memory_width=3)
         asked = episode.turns[-1]
         assert question["value"] == asked.fact.value and question["stated"] == episode.values
         assert question["distance"] == len(episode.turns) - 1 - [t.text for t in episode.turns].index(

@@ -50,8 +50,8 @@ def test_a_trajectory_produced_again_counts_its_redo_and_only_the_killed_episode
 
     crash = {"victim": "s-1", "killed_at": 10.0, "replaced_at": 12.0, "replacement": "s-1-replacement",
              "status_age_s": 0.01, "trainer_step": 1,
-             "live_episodes": [{"task_id": "t-0", "attempt": 0, "started_at": 4.0},
-                               {"task_id": "t-2", "attempt": 0, "started_at": 7.5}]}
+             "live_episodes": [{"task_id": "t-0", "copy": 0, "started_at": 4.0},
+                               {"task_id": "t-2", "copy": 0, "started_at": 7.5}]}
     sampler = recovery.sampler_figures(crash, produced, again, trainer_killed_at=50.0)
     assert sampler["killed_episodes"] == 1 and sampler["killed_rollout_s"] == pytest.approx(2.5)
     assert sampler["redo_rollout_s"] == 6.0

@@ -28,7 +28,7 @@ def run_online(encoder, temporal_filter, texts, rewards, recent_window):
     visible, decisions = [], []
     for text, reward in zip(texts, rewards):
         visible.append(compressor.visible_slots())
-        decisions.append(compressor.finish_step(text, reward))
+        decisions.append(compressor.finish_turn(text, reward))
     return compressor, visible, decisions
 
 
@@ -75,7 +75,7 @@ def test_merged_rewards_accumulate_into_the_previous_slot(encoder, dialogue):
     rewards = [1.0, 0.5, 0.25, 2.0, -1.0]
     compressor = OnlineCompressor(encoder, ScriptedFilter([True, False, False, True, False]))
     for text, reward in zip(texts, rewards):
-        compressor.finish_step(text, reward)
+        compressor.finish_turn(text, reward)
     table = compressor.memory()
     np.testing.assert_array_equal(table.reward_sums, [1.75, 1.0])
     np.testing.assert_array_equal(table.spans, [[0, 2], [3, 4]])
@@ -102,7 +102,7 @@ def test_visible_slots_follow_creation_step_with_merges(encoder, dialogue, recen
     visible = []
     for text in texts[:6]:
         visible.append(compressor.visible_slots())
-        compressor.finish_step(text, 0.0)
+        compressor.finish_turn(text, 0.0)
     visible.append(compressor.visible_slots())  # for the step after the last finished one
     assert visible == expected
 
@@ -111,10 +111,10 @@ def test_slot_vectors_never_change_after_creation(encoder, dialogue):
     texts, _ = dialogue
     compressor = OnlineCompressor(encoder, ScriptedFilter([True, True, False, False, False]))
     for text in texts[:2]:
-        compressor.finish_step(text, 0.0)
+        compressor.finish_turn(text, 0.0)
     before = compressor.memory()
     for text in texts[2:5]:
-        compressor.finish_step(text, 0.0)
+        compressor.finish_turn(text, 0.0)
     after = compressor.memory()
     np.testing.assert_array_equal(after.vectors, before.vectors)
     np.testing.assert_array_equal(after.scales, before.scales)
@@ -140,7 +140,7 @@ def test_stats_count_steps_slots_and_bytes(encoder, dialogue):
     assert compressor.stats().steps == 0 and len(compressor.memory()) == 0
     assert compressor.memory().vectors.shape == (0, 384)
     for text in texts[:5]:
-        compressor.finish_step(text, 0.0)
+        compressor.finish_turn(text, 0.0)
     stats = compressor.stats()
     assert (stats.steps, stats.kept_slots, stats.merged_steps) == (5, 2, 3)
     assert stats.fp32_bytes == 5 * 384 * 4 and stats.int8_bytes == 2 * (384 + 4)
@@ -164,7 +164,7 @@ def test_a_bottleneck_narrows_the_slots_online_and_in_batch_alike(encoder, media
     bottleneck = fit_bottleneck(dialogue_embeddings, 6, encoder.name)
     compressor = OnlineCompressor(encoder, median_filter, recent_window=recent_window, bottleneck=bottleneck)
     for text, reward in zip(texts, rewards):
-        compressor.finish_step(text, reward)
+        compressor.finish_turn(text, reward)
     online = compressor.memory()
     table, _, _ = compress_batch(texts, rewards, encoder, median_filter, recent_window, bottleneck=bottleneck)
     np.testing.assert_array_equal(table.vectors, online.vectors)

@@ -32,7 +32,7 @@ def test_online_equals_batch_with_the_shipped_filter(encoder, labyrinth_episode,
     visible, decisions = [], []
     for text, reward in zip(texts, rewards):
         visible.append(compressor.visible_slots())
-        decisions.append(compressor.finish_step(text, reward))
+        decisions.append(compressor.finish_turn(text, reward))
     table, batch_visible, batch_decisions = compress_batch(texts, rewards, encoder, load_temporal_filter(),
                                                            recent_window=1, embeddings=labyrinth_embeddings)
     online = compressor.memory()

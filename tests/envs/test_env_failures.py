@@ -14,7 +14,7 @@ from sao.sampler.rollout import Roller
 
 def _roller(tiny_config, encoder, env_name, timeout_s=30.0):
     config = tiny_config.model_copy(deep=True)
-    config.env.name, config.env.step_timeout_s, config.policy.max_new_tokens = env_name, timeout_s, 4
+    config.env.name, config.env.turn_timeout_s, config.policy.max_new_tokens = env_name, timeout_s, 4
     policy = build_policy(config.policy, encoder.dim).eval()
     return Roller(config, policy, encoder, load_temporal_filter(), "s", seed=0), config
 

@@ -57,7 +57,7 @@ def sampler(kafka_bootstrap, tiny_config, tmp_path_factory):
     config = on_own_topics(tiny_config, kafka_bootstrap, "fuzz-sampler")
     # Options beyond the env's limits are refused before anything is built; any that still make reasoning-gym
     # spin cost the sampler its env time limit, short here so that they cost seconds (a healthy reset takes ~1 ms).
-    config.env.step_timeout_s, config.policy.max_new_tokens = 0.05, 4
+    config.env.turn_timeout_s, config.policy.max_new_tokens = 0.05, 4
     built = Sampler(config, kafka_bootstrap, "s-fuzz")
     built.policy_dir = tmp_path_factory.mktemp("fuzz-sampler") / "run" / "policy"
     built.policy_dir.mkdir(parents=True)
@@ -295,11 +295,11 @@ def test_every_hostile_task_starts_an_episode_or_is_dead_lettered_and_rollouts_t
     assert len(started) > 1000
 
     bottleneck = sampler.roller.bottleneck  # the shipped basis: memory travels 64 wide, as the trainer expects
-    assert bottleneck is not None and sampler.policy.memory_dim == bottleneck.width == 64
+    assert bottleneck is not None and sampler.policy.memory_width == bottleneck.width == 64
     validator = TrajectoryValidator.for_model(sampler.policy, bottleneck.width, config, bottleneck.identity)
     episodes, trajectories = started[::len(started) // ROLLED_OUT][:ROLLED_OUT], []
     while episodes:
-        outcomes = sampler.roller.step(episodes)
+        outcomes = sampler.roller.take_turn(episodes)
         trajectories += [outcome for outcome in outcomes if outcome is not None]
         episodes = [episode for episode, outcome in zip(episodes, outcomes) if outcome is None]
     assert len(trajectories) == ROLLED_OUT

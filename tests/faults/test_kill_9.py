@@ -63,7 +63,7 @@ def test_a_sampler_killed_mid_episode_leaves_its_tasks_to_the_next_and_nothing_i
     from sao.sampler.loop import Sampler
 
     config = on_own_topics(tiny_config, kafka_bootstrap, unique_topic_prefix)
-    config.env.name, config.env.max_turns, config.env.step_timeout_s = "support.gated_env:GatedEnv", 5, 120
+    config.env.name, config.env.max_turns, config.env.turn_timeout_s = "support.gated_env:GatedEnv", 5, 120
     config.policy.max_new_tokens, config.sampler.rollout_batch, config.trainer.batch_size = 3, 2, 3
     run_dir, gate = tmp_path / "run", tmp_path / "gate"
     config.sampler.policy_dir = str(RunDir(run_dir).policy_dir)

@@ -69,7 +69,7 @@ def test_alignment_is_reproducible_bit_for_bit(tiny_config, prepared, reconstruc
 def test_each_slot_learns_to_name_its_step(tiny_config, prepared):
     """Reconstruction examples pair a slot with its own step's text; training them makes the slot say it."""
     from sao.offline.align import reconstruction_nll
-    from sao.offline.episodes import step_text
+    from sao.offline.episodes import turn_text
     from sao.offline.reconstruction import MAX_TEXT_TOKENS, content_nll, slot_examples
     from sao.policy.loading import load_tokenizer
 
@@ -79,7 +79,7 @@ def test_each_slot_learns_to_name_its_step(tiny_config, prepared):
     assert len(examples) == sum(len(p.trajectory.memory.vectors) for p in prepared)
     first_slot = item.trajectory.memory
     step = item.episode.steps[int(first_slot.spans[1][0])]
-    expected = tokenizer(step_text(step.observation, step.action), add_special_tokens=False)["input_ids"]
+    expected = tokenizer(turn_text(step.observation, step.action), add_special_tokens=False)["input_ids"]
     assert list(examples[1].action_ids) == expected[-MAX_TEXT_TOKENS:]
     assert (examples[1].memory[0] == first_slot.dequantized(2)[1]).all()
 

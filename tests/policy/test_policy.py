@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sao.policy.context import StepInput
-from sao.policy.model import collate_steps
+from sao.policy.context import TurnInput
+from sao.policy.model import collate_turns
 from sao.policy.sampling import StopRule
 from sao.policy.weights import WeightsMismatch, build_policy, read_weights_into, unique_state_dict, write_weights
 
@@ -19,9 +19,9 @@ def policy(tiny_config):
     return build_policy(tiny_config.policy, DIM).eval()
 
 
-def _step(memory_rows: int, action=None) -> StepInput:
+def _step(memory_rows: int, action=None) -> TurnInput:
     rng = np.random.default_rng(memory_rows)
-    return StepInput(prompt_ids=np.arange(10, 20, dtype=np.int32), memory=rng.normal(size=(memory_rows, DIM)).astype(np.float32),
+    return TurnInput(prompt_ids=np.arange(10, 20, dtype=np.int32), memory=rng.normal(size=(memory_rows, DIM)).astype(np.float32),
                      context_ids=np.arange(30, 35, dtype=np.int32),
                      action_ids=np.zeros(0, np.int32) if action is None else action)
 
@@ -30,7 +30,7 @@ def test_sampled_logprobs_match_batched_scoring(policy):
     torch.nn.init.normal_(policy.projector.weight, std=0.5)  # make memory matter
     generator = torch.Generator().manual_seed(1)
     samples = [(m, *policy.sample(_step(m), 12, 0.7, NEVER, generator=generator)) for m in (0, 1, 3)]
-    batch = collate_steps([_step(m, action) for m, action, _ in samples], DIM, [0.7] * 3)
+    batch = collate_turns([_step(m, action) for m, action, _ in samples], DIM, [0.7] * 3)
     with torch.no_grad():
         scored = policy(batch)
     for row, (_, action, logprobs) in enumerate(samples):
@@ -42,16 +42,16 @@ def test_memory_changes_the_distribution_once_projector_learns(policy):
     step = _step(2, action=np.array([5, 6, 7], np.int32))
     without = _step(0, action=np.array([5, 6, 7], np.int32))
     with torch.no_grad():
-        zero_projector = policy(collate_steps([step], DIM))[0, -3:]
+        zero_projector = policy(collate_turns([step], DIM))[0, -3:]
         torch.nn.init.normal_(policy.projector.weight, std=0.5)
-        trained_projector = policy(collate_steps([step], DIM))[0, -3:]
-        no_memory = policy(collate_steps([without], DIM))[0, -3:]
+        trained_projector = policy(collate_turns([step], DIM))[0, -3:]
+        no_memory = policy(collate_turns([without], DIM))[0, -3:]
     assert not torch.allclose(zero_projector, trained_projector, atol=1e-4)
     assert not torch.allclose(trained_projector, no_memory, atol=1e-4)
 
 
 def test_collate_layout():
-    batch = collate_steps([_step(2, np.array([1, 2], np.int32)), _step(0, np.array([3], np.int32))], DIM)
+    batch = collate_turns([_step(2, np.array([1, 2], np.int32)), _step(0, np.array([3], np.int32))], DIM)
     assert batch.token_ids.shape == (2, 10 + 2 + 5 + 2)
     assert batch.memory_mask[0, 10:12].all() and not batch.memory_mask[1].any()
     assert batch.action_mask[0].nonzero().flatten().tolist() == [17, 18]
@@ -76,12 +76,12 @@ def test_batched_sampling_is_exactly_rescored_row_by_row(policy):
     """Left padding and position ids: each row of a batch samples from what it would see alone."""
     torch.nn.init.normal_(policy.projector.weight, std=0.5)
     steps = [_step(0), _step(3), _step(1)]
-    steps[1] = StepInput(np.arange(10, 30, dtype=np.int32), steps[1].memory, steps[1].context_ids, steps[1].action_ids)
+    steps[1] = TurnInput(np.arange(10, 30, dtype=np.int32), steps[1].memory, steps[1].context_ids, steps[1].action_ids)
     samples = policy.sample_batch(steps, 10, 1.0, StopRule(frozenset({7, 8, 9})), generator=torch.Generator().manual_seed(0))
     for step, (action, logprobs) in zip(steps, samples):
         assert 1 <= len(action) <= 10 and len(action) == len(logprobs)
         assert all(t not in {7, 8, 9} for t in action[:-1].tolist())  # a row stops at its first stop token
-        scored_batch = collate_steps([StepInput(step.prompt_ids, step.memory, step.context_ids, action)], DIM)
+        scored_batch = collate_turns([TurnInput(step.prompt_ids, step.memory, step.context_ids, action)], DIM)
         with torch.no_grad():
             scored = policy(scored_batch)[0][scored_batch.action_mask[0]]
         np.testing.assert_allclose(scored.numpy(), logprobs, atol=1e-4)

@@ -31,7 +31,7 @@ def test_loads_for_its_own_pair(tmp_path):
     saved = _aligned(tmp_path / "p.safetensors")
     target = nn.Linear(384, 64)
     meta = load_projector(target, tmp_path / "p.safetensors", "tiny", "all-MiniLM-L6-v2")
-    assert meta["model"] == "tiny" and meta["memory_dim"] == 384
+    assert meta["model"] == "tiny" and meta["memory_width"] == 384
     assert torch.equal(target.weight, saved.weight) and torch.equal(target.bias, saved.bias)
 
 

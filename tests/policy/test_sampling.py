@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sao.policy.context import StepInput
-from sao.policy.model import collate_steps
+from sao.policy.context import TurnInput
+from sao.policy.model import collate_turns
 from sao.policy.sampling import StopRule, nucleus
 from sao.policy.weights import build_policy, place_for_sampling
 
@@ -18,8 +18,8 @@ def policy(tiny_config):
     return build_policy(tiny_config.policy, DIM).eval()
 
 
-def _step() -> StepInput:
-    return StepInput(np.arange(10, 20, dtype=np.int32), np.zeros((0, DIM), np.float32),
+def _step() -> TurnInput:
+    return TurnInput(np.arange(10, 20, dtype=np.int32), np.zeros((0, DIM), np.float32),
                      np.arange(30, 35, dtype=np.int32), np.zeros(0, np.int32))
 
 
@@ -37,15 +37,15 @@ def test_top_p_samples_only_nucleus_tokens_and_records_their_truncated_logprobs(
     samples = policy.sample_batch([step] * 6, 8, temperature, StopRule(frozenset()),
                                   torch.Generator().manual_seed(0), top_p=top_p)
     for action, logprobs in samples:
-        inputs = StepInput(step.prompt_ids, step.memory, step.context_ids, action)
-        batch = collate_steps([inputs], DIM, [temperature])
+        inputs = TurnInput(step.prompt_ids, step.memory, step.context_ids, action)
+        batch = collate_turns([inputs], DIM, [temperature])
         with torch.no_grad():
             full = policy(batch)[0][batch.action_mask[0]]  # what the trainer computes: no truncation
         # Under truncation each sampled token's probability is p / Z with Z <= 1, so >= p ...
         assert np.all(logprobs >= full.numpy() - 1e-5)
         # ... and exactly log p - log Z, where Z is the nucleus mass at that position.
         for position in range(len(action)):
-            prefix = StepInput(step.prompt_ids, step.memory, step.context_ids, action[:position])
+            prefix = TurnInput(step.prompt_ids, step.memory, step.context_ids, action[:position])
             with torch.no_grad():
                 logits = policy.lm(input_ids=torch.from_numpy(np.concatenate(
                     [prefix.prompt_ids, prefix.context_ids, prefix.action_ids]).astype(np.int64))[None]).logits[0, -1]
@@ -77,14 +77,14 @@ def test_stop_string_ends_the_action_at_the_completing_token():
 def test_bf16_sampling_runs_and_stays_close_to_fp32_rescoring(tiny_config, policy):
     """The GPU path samples in bf16; its recorded log-probs are what rho corrects against fp32."""
     torch.nn.init.normal_(policy.projector.weight, std=0.5)
-    step = StepInput(np.arange(10, 20, dtype=np.int32), np.random.default_rng(0).normal(size=(2, DIM)).astype(np.float32),
+    step = TurnInput(np.arange(10, 20, dtype=np.int32), np.random.default_rng(0).normal(size=(2, DIM)).astype(np.float32),
                      np.arange(30, 35, dtype=np.int32), np.zeros(0, np.int32))
     half = build_policy(tiny_config.policy, DIM)
     half.load_state_dict(policy.state_dict())  # fp32 weights cast on load, as a published version is
     half = half.to(torch.bfloat16).eval()
     action, logprobs = half.sample(step, 6, 1.0, StopRule(frozenset()), torch.Generator().manual_seed(0))
     assert len(action) == 6 and np.all(np.isfinite(logprobs))
-    batch = collate_steps([StepInput(step.prompt_ids, step.memory, step.context_ids, action)], DIM)
+    batch = collate_turns([TurnInput(step.prompt_ids, step.memory, step.context_ids, action)], DIM)
     with torch.no_grad():
         rescored = place_for_sampling(policy, "cpu")(batch)[0][batch.action_mask[0]].numpy()
     assert np.max(np.abs(rescored - logprobs)) < 0.1  # bf16 rounding, not a different distribution

@@ -11,7 +11,7 @@ from sao.sampler.evaluation import compare, evaluate, heldout_tasks, validation_
 from sao.schema import PolicyAnnouncement
 
 # What a default trainer publishes: a projector reading the shipped basis's coordinates.
-MEMORY_DIM = resolve_bottleneck("auto", "all-MiniLM-L6-v2").width
+MEMORY_WIDTH = resolve_bottleneck("auto", "all-MiniLM-L6-v2").width
 
 
 def _publish(policy, run_dir, version: int) -> None:
@@ -37,7 +37,7 @@ def test_heldout_tasks_are_distinct_and_capped(tiny_config):
 
 
 def test_eval_scores_a_published_version(tiny_config, tmp_path):
-    policy = build_policy(tiny_config.policy, MEMORY_DIM)
+    policy = build_policy(tiny_config.policy, MEMORY_WIDTH)
     torch.nn.init.normal_(policy.projector.weight, std=0.01)
     _publish(policy, tmp_path, 3)
     result = evaluate(tiny_config, tmp_path, version=3, num_tasks=3)
@@ -56,7 +56,7 @@ def test_eval_scores_a_published_version(tiny_config, tmp_path):
 
 def test_the_paired_comparison_writes_the_heldout_figures_and_caches_the_base(tiny_config, tmp_path):
     config = _with_cache(tiny_config, tmp_path / "cache")
-    _publish(build_policy(config.policy, MEMORY_DIM), tmp_path, 1)  # the base weights, republished
+    _publish(build_policy(config.policy, MEMORY_WIDTH), tmp_path, 1)  # the base weights, republished
     first = compare(config, tmp_path, version=1, cap=4)
     assert first["heldout_n"] == 4 and not first["base_cached"]
     # Same weights, greedy: every task scores the same, so the paired differences are all 0.
@@ -107,7 +107,7 @@ def test_sao_eval_reports_the_paired_comparison_against_a_baseline(tmp_path):
     from sao.config import load_config
 
     config = load_config(overrides=['policy.model="tiny"'], environ={})
-    _publish(build_policy(config.policy, MEMORY_DIM), tmp_path, 2)
+    _publish(build_policy(config.policy, MEMORY_WIDTH), tmp_path, 2)
     common = ["eval", "--run-dir", str(tmp_path), "--num-tasks", "2", "--set", 'policy.model="tiny"',
               "--set", f'run.heldout_cache_dir="{tmp_path / "cache"}"']
     result = CliRunner().invoke(app, [*common, "--version", "2", "--baseline", "0"])

@@ -9,7 +9,7 @@ import torch
 from sao.compression.temporal import load_temporal_filter
 from sao.envs.registry import make_env, make_tasks
 from sao.policy.context import training_inputs
-from sao.policy.model import collate_steps
+from sao.policy.model import collate_turns
 from sao.policy.weights import build_policy
 from sao.sampler.rollout import Roller
 from sao.schema import Trajectory, decode, encode
@@ -134,10 +134,10 @@ class _Recording:
         return feedback
 
 
-def assert_rescored_exactly(policy, trajectory, memory_dim: int, atol: float) -> None:
+def assert_rescored_exactly(policy, trajectory, memory_width: int, atol: float) -> None:
     """The trainer's scorer, given what the trajectory carries, gives back the behaviour log-probs sampled."""
     inputs = training_inputs(trajectory)
-    batch = collate_steps(inputs, memory_dim, [trajectory.temperature] * len(inputs))
+    batch = collate_turns(inputs, memory_width, [trajectory.temperature] * len(inputs))
     with torch.no_grad():
         scored = policy(batch)
     for row, step in enumerate(trajectory.steps):
@@ -254,7 +254,7 @@ def test_humaneval_rollout_feeds_test_results_back(tiny_config, encoder):
     feedback = roller.chat.tokenizer.decode(trajectory.steps[1].observation_ids.tolist())
     assert "Your reply has no Python code" in feedback or "Your code" in feedback
     inputs = training_inputs(trajectory)
-    batch = collate_steps(inputs, encoder.dim, [trajectory.temperature] * len(inputs))
+    batch = collate_turns(inputs, encoder.dim, [trajectory.temperature] * len(inputs))
     with torch.no_grad():
         scored = roller.policy(batch)
     for row, step in enumerate(trajectory.steps):

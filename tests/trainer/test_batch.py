@@ -15,9 +15,9 @@ from support.advantages import flat, one_turn
 from support.trainer_runs import synthetic_trajectory
 
 
-def trajectory(task_id: str, reward: float, attempt: int = 0, version: int = 0, prompt_token: int = 0) -> Trajectory:
+def trajectory(task_id: str, reward: float, copy: int = 0, version: int = 0, prompt_token: int = 0) -> Trajectory:
     step = Step(np.zeros(2, np.int32), np.ones(3, np.int32), np.full(3, -1.0, np.float32), reward, True, 0)
-    return Trajectory(f"{task_id}#{attempt}", task_id, "arithmetic", "s", version,
+    return Trajectory(f"{task_id}#{copy}", task_id, "arithmetic", "s", version,
                       np.full(4, prompt_token, np.int32), [step],
                       Memory.empty(8), 1.0, "enc", 0)
 
@@ -113,7 +113,7 @@ def test_each_turn_has_its_own_running_baseline():
     assert "env:arithmetic" in baseline.values and "env:arithmetic:turn1" in baseline.values
 
 
-def test_grpo_compares_each_turn_with_the_group_attempts_that_reached_it():
+def test_grpo_compares_each_turn_with_the_group_copies_that_reached_it():
     batch = [trajectory("a", 1.0, 0), retry("a", 0.5), retry("a", 0.0)]
     batch[1], batch[2] = replace(batch[1], trajectory_id="a#1"), replace(batch[2], trajectory_id="a#2")
     cfg = TrainerConfig(algorithm="grpo", group_size=3, batch_size=3, scale_advantages=False, turn_credit="own_reward")
@@ -160,7 +160,7 @@ def test_value_head_learns_returns_and_sets_advantages(tiny_config):
     assert stats.value_loss < 0.05 * first
 
 
-def _uneven_batch(memory_dim: int) -> list[Trajectory]:
+def _uneven_batch(memory_width: int) -> list[Trajectory]:
     """Trajectories of one and two steps with prompts and answers of very different lengths, some with memory."""
     rng = np.random.default_rng(3)
     batch = []
@@ -171,7 +171,7 @@ def _uneven_batch(memory_dim: int) -> list[Trajectory]:
                  for turn in range(1 + index % 2)]
         steps = [Step(s.observation_ids, s.action_ids, rng.normal(-3, 1, len(s.action_ids)).astype(np.float32),
                       s.reward, s.done, s.memory_count) for s in steps]
-        memory = Memory(rng.integers(-127, 128, (1, memory_dim)).astype(np.int8), np.full(1, 0.01, np.float32),
+        memory = Memory(rng.integers(-127, 128, (1, memory_width)).astype(np.int8), np.full(1, 0.01, np.float32),
                         np.zeros((1, 2), np.int32), np.zeros(1, np.float32))
         batch.append(Trajectory(f"u{index}#0", f"u{index}", "arithmetic", "s", 0,
                                 rng.integers(3, 400, int(rng.integers(4, 40))).astype(np.int32), steps, memory, 1.0,

@@ -14,7 +14,7 @@ from sao.transport.kafka import make_producer, read_all
 from sao.transport.topics import ensure_topics
 from support.trainer_runs import synthetic_trajectory
 
-VALIDATOR = TrajectoryValidator(vocab_size=49152, memory_dim=384, max_abs_reward=1e4, max_bytes=1 << 20)
+VALIDATOR = TrajectoryValidator(vocab_size=49152, memory_width=384, max_abs_reward=1e4, max_bytes=1 << 20)
 
 
 def drain(stream: TrajectoryStream, messages: int, timeout: float = 60) -> list:

@@ -40,7 +40,7 @@ VOCAB = 49152  # the tiny model's (SmolLM2's tokenizer)
 
 @pytest.fixture(scope="module")
 def validator() -> TrajectoryValidator:
-    return TrajectoryValidator(vocab_size=VOCAB, memory_dim=SHIPPED_BASIS.width, max_abs_reward=1e4,
+    return TrajectoryValidator(vocab_size=VOCAB, memory_width=SHIPPED_BASIS.width, max_abs_reward=1e4,
                                max_bytes=16 << 20, max_turns=4, env="arithmetic", memory_basis=SHIPPED_BASIS.identity,
                                max_tokens=65536, max_positions=1024)  # the tiny model's positions
 
@@ -207,7 +207,7 @@ def test_limits_come_from_the_model_the_trainer_built(tiny_config):
     from sao.policy.weights import build_policy
 
     validator = TrajectoryValidator.for_model(build_policy(tiny_config.policy, 384), 384, tiny_config)
-    assert (validator.vocab_size, validator.memory_dim) == (VOCAB, 384)
+    assert (validator.vocab_size, validator.memory_width) == (VOCAB, 384)
     assert validator.max_abs_reward == tiny_config.trainer.max_abs_reward
     assert validator.max_bytes == tiny_config.trainer.max_trajectory_bytes
     assert (validator.max_tokens, validator.max_positions) == (tiny_config.trainer.max_trajectory_tokens, 1024)

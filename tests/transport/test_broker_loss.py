@@ -100,15 +100,15 @@ def test_a_sampler_gives_up_after_the_loss_timeout_naming_its_live_tasks(own_bro
     feed_tasks(config, bootstrap, 2)
     sampler = Sampler(config, bootstrap, "s-loss", tmp_path / "status.json")
     killed_at = []
-    real_step = sampler.roller.step
+    real_turn = sampler.roller.take_turn
 
-    def step_after_killing_the_broker(episodes):
+    def turn_after_killing_the_broker(episodes):
         if not killed_at:  # both tasks are live now: the broker dies under them
             own_broker.kill()
             killed_at.append(time.monotonic())
-        return real_step(episodes)
+        return real_turn(episodes)
 
-    monkeypatch.setattr(sampler.roller, "step", step_after_killing_the_broker)
+    monkeypatch.setattr(sampler.roller, "take_turn", turn_after_killing_the_broker)
     with pytest.raises(BrokerLost) as raised:
         sampler.run()
     elapsed = time.monotonic() - killed_at[0]

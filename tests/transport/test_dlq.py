@@ -68,7 +68,7 @@ def test_tasks_dead_lettered_count_once_each_and_again_after_a_restart(kafka_boo
     tasks_topic, dlq_topic = f"{unique_topic_prefix}.tasks", f"{unique_topic_prefix}.dlq"
     ensure_topics(kafka_bootstrap, {dlq_topic: 1})
     dlq = DeadLetterQueue(make_producer(kafka_bootstrap), dlq_topic)
-    failed, recovered = Task("t-1", "arithmetic", {}, attempt=0), Task("t-2", "arithmetic", {}, attempt=1)
+    failed, recovered = Task("t-1", "arithmetic", {}, copy=0), Task("t-2", "arithmetic", {}, copy=1)
     # A task a sampler dead-lettered, then (dying before its commit) again once it was delivered anew.
     for _ in range(2):
         dlq.send(encode(failed), "env-error", source_topic=tasks_topic, partition=1, offset=4, key=failed.task_id)
