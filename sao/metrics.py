@@ -72,8 +72,8 @@ COMPRESSION_RATIO = Histogram(
     "sao_compression_ratio",
     "Compression ratio per trajectory. kind=context: naive context bytes / sao's bytes; "
     "kind=memory: fp32 embeddings of every step / int8 kept slots.", ["kind"], buckets=_RATIOS)
-COMPRESSION_STEPS = Counter(
-    "sao_compression_steps_total", "Finished steps the temporal filter kept as a memory slot or merged.", ["outcome"])
+COMPRESSION_TURNS = Counter(
+    "sao_compression_turns_total", "Finished turns the temporal filter kept as a memory slot or merged.", ["outcome"])
 
 # --- transport ---------------------------------------------------------------------------------
 TRANSPORT_DELIVERY_SECONDS = Histogram(
@@ -158,8 +158,8 @@ def record_rollout(trajectory: Trajectory, produce_s: float) -> None:
     if compression.get("memory_ratio"):  # 0 when no step was compressed (one-step episodes)
         COMPRESSION_RATIO.labels(kind="memory").observe(compression["memory_ratio"])
     if "kept_steps" in compression:
-        COMPRESSION_STEPS.labels(outcome="kept").inc(compression["kept_steps"])
-        COMPRESSION_STEPS.labels(outcome="merged").inc(compression.get("merged_steps", 0))
+        COMPRESSION_TURNS.labels(outcome="kept").inc(compression["kept_steps"])
+        COMPRESSION_TURNS.labels(outcome="merged").inc(compression.get("merged_steps", 0))
 
 
 def record_policy_reload(version: int, seconds: float) -> None:

@@ -32,9 +32,9 @@ class MemoryTable:
 
     vectors: np.ndarray  # int8 [K, memory_width]: the encoder's width, or the bottleneck's
     scales: np.ndarray  # float32 [K], per-vector absmax / 127
-    spans: np.ndarray  # int32 [K, 2], first and last original step the slot stands for
-    reward_sums: np.ndarray  # float32 [K], rewards of every step in the span
-    created_at_step: np.ndarray  # int32 [K], the step whose embedding the vector is
+    spans: np.ndarray  # int32 [K, 2], first and last turn the slot stands for
+    reward_sums: np.ndarray  # float32 [K], rewards of every turn in the span
+    created_at_turn: np.ndarray  # int32 [K], the turn whose embedding the vector is
 
     def __len__(self) -> int:
         return len(self.scales)
@@ -42,7 +42,8 @@ class MemoryTable:
 
 @dataclass(frozen=True)
 class CompressionStats:
-    """Counts, sizes and time spent per stage for one trajectory."""
+    """Counts, sizes and time spent per stage for one trajectory (named as the wire's `compression`
+    stats are: `steps` and `merged_steps` count the episode's turns)."""
 
     steps: int
     kept_slots: int
@@ -59,14 +60,14 @@ class CompressionStats:
         return self.fp32_bytes / self.int8_bytes if self.int8_bytes else 0.0
 
 
-def visible_slots_at(created_at_step: Sequence[int], step: int, recent_window: int) -> list[int]:
-    """Slots the policy sees at `step`: those created before the last `recent_window` finished steps.
+def visible_slots_at(created_at_turn: Sequence[int], turn: int, recent_window: int) -> list[int]:
+    """Slots the policy sees at `turn`: those created before the last `recent_window` finished turns.
 
-    The last `recent_window` finished steps reach the policy as full text instead. Slots are
-    created in step order, so the visible ones are always a prefix.
+    The last `recent_window` finished turns reach the policy as full text instead. Slots are
+    created in turn order, so the visible ones are always a prefix.
     """
-    horizon = step - 1 - recent_window
-    return [i for i, created in enumerate(created_at_step) if created <= horizon]
+    horizon = turn - 1 - recent_window
+    return [i for i, created in enumerate(created_at_turn) if created <= horizon]
 
 
 class _SlotTable:
@@ -79,7 +80,7 @@ class _SlotTable:
             raise ValueError(f"the bottleneck reads {bottleneck.dim}-d embeddings but the encoder gives {dim}-d")
         self.bottleneck, self.recent_window = bottleneck, recent_window
         self.memory_width = bottleneck.width if bottleneck is not None else dim
-        self.steps = 0
+        self.turns = 0
         self.vectors: list[np.ndarray] = []
         self.scales: list[float] = []
         self.spans: list[list[int]] = []
@@ -87,24 +88,24 @@ class _SlotTable:
         self.created_at: list[int] = []
 
     def visible(self) -> list[int]:
-        return visible_slots_at(self.created_at, self.steps, self.recent_window)
+        return visible_slots_at(self.created_at, self.turns, self.recent_window)
 
     def add(self, embedding: np.ndarray, reward: float, decision: Decision) -> None:
-        step = self.steps
+        turn = self.turns
         if decision.keep:
             vector = embedding[None, :] if self.bottleneck is None else self.bottleneck.encode(embedding[None, :])
             codes, scales = quantize_int8(vector)
             self.vectors.append(codes[0])
             self.scales.append(float(scales[0]))
-            self.spans.append([step, step])
+            self.spans.append([turn, turn])
             self.reward_sums.append(float(reward))
-            self.created_at.append(step)
+            self.created_at.append(turn)
         elif not self.spans:
-            raise RuntimeError("the first step of a trajectory must be kept; call start() first")
+            raise RuntimeError("the first turn of a trajectory must be kept; call start() first")
         else:
-            self.spans[-1][1] = step
+            self.spans[-1][1] = turn
             self.reward_sums[-1] += float(reward)
-        self.steps += 1
+        self.turns += 1
 
     def table(self) -> MemoryTable:
         return MemoryTable(
@@ -112,7 +113,7 @@ class _SlotTable:
             scales=np.array(self.scales, dtype=np.float32),
             spans=np.array(self.spans, dtype=np.int32).reshape(len(self.spans), 2),
             reward_sums=np.array(self.reward_sums, dtype=np.float32),
-            created_at_step=np.array(self.created_at, dtype=np.int32),
+            created_at_turn=np.array(self.created_at, dtype=np.int32),
         )
 
     def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
@@ -178,10 +179,10 @@ class OnlineCompressor:
     def stats(self) -> CompressionStats:
         slots = self._slots
         return CompressionStats(
-            steps=slots.steps,
+            steps=slots.turns,
             kept_slots=len(slots.scales),
-            merged_steps=slots.steps - len(slots.scales),
-            fp32_bytes=slots.steps * self.encoder.dim * 4,
+            merged_steps=slots.turns - len(slots.scales),
+            fp32_bytes=slots.turns * self.encoder.dim * 4,
             int8_bytes=len(slots.scales) * (slots.memory_width + 4),
             encode_seconds=self._seconds["encode"],
             filter_seconds=self._seconds["filter"],

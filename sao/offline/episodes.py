@@ -203,7 +203,7 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
         observation_ids = (chat.first_observation(step.observation) if index == 0
                            else chat.feedback_observation(step.observation, steps[-1].action_ids))
         action_ids = chat.action_ids(step.action)
-        visible = len(visible_slots_at(table.created_at_step, index, recent_window))
+        visible = len(visible_slots_at(table.created_at_turn, index, recent_window))
         steps.append(Step(observation_ids, action_ids, np.zeros(len(action_ids), np.float32), step.reward,
                           step.done, visible))
     used = max((step.memory_count for step in steps), default=0)  # as the sampler: unseen slots are not sent

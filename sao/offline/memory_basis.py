@@ -33,7 +33,7 @@ def kept_embeddings(episodes, encoder, temporal_filter) -> dict[str, np.ndarray]
         embeddings = encoder.encode(texts)
         table, _, _ = compress_batch(texts, episode.rewards()[:steps], encoder, temporal_filter.fork(),
                                      embeddings=embeddings)
-        kept.setdefault(episode.env, []).append(embeddings[table.created_at_step])
+        kept.setdefault(episode.env, []).append(embeddings[table.created_at_turn])
     return {env: np.concatenate(parts) for env, parts in kept.items()}
 
 

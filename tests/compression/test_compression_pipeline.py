@@ -39,7 +39,7 @@ def test_batch_equals_online(encoder, median_filter, dialogue, recent_window):
     table, batch_visible, batch_decisions = compress_batch(
         texts, rewards, encoder, median_filter, recent_window=recent_window)
     online = compressor.memory()
-    for field in ("vectors", "scales", "spans", "reward_sums", "created_at_step"):
+    for field in ("vectors", "scales", "spans", "reward_sums", "created_at_turn"):
         np.testing.assert_array_equal(getattr(table, field), getattr(online, field), err_msg=field)
     assert batch_visible == visible
     assert [(d.keep, d.reason) for d in batch_decisions] == [(d.keep, d.reason) for d in decisions]
@@ -53,9 +53,9 @@ def test_table_dtypes_and_shapes(encoder, median_filter, dialogue):
     assert table.vectors.dtype == np.int8 and table.vectors.shape == (k, 384)
     assert table.scales.dtype == np.float32 and table.scales.shape == (k,)
     assert table.spans.dtype == np.int32 and table.spans.shape == (k, 2)
-    assert table.reward_sums.dtype == np.float32 and table.created_at_step.dtype == np.int32
+    assert table.reward_sums.dtype == np.float32 and table.created_at_turn.dtype == np.int32
     # Spans tile the trajectory: each starts where the previous ended, and starts at its step.
-    np.testing.assert_array_equal(table.spans[:, 0], table.created_at_step)
+    np.testing.assert_array_equal(table.spans[:, 0], table.created_at_turn)
     np.testing.assert_array_equal(table.spans[1:, 0], table.spans[:-1, 1] + 1)
     assert table.spans[0, 0] == 0 and table.spans[-1, 1] == len(texts) - 1
 
@@ -79,7 +79,7 @@ def test_merged_rewards_accumulate_into_the_previous_slot(encoder, dialogue):
     table = compressor.memory()
     np.testing.assert_array_equal(table.reward_sums, [1.75, 1.0])
     np.testing.assert_array_equal(table.spans, [[0, 2], [3, 4]])
-    np.testing.assert_array_equal(table.created_at_step, [0, 3])
+    np.testing.assert_array_equal(table.created_at_turn, [0, 3])
 
 
 @pytest.mark.parametrize("recent_window", [0, 1, 2])
@@ -174,7 +174,7 @@ def test_a_bottleneck_narrows_the_slots_online_and_in_batch_alike(encoder, media
     assert stats.int8_bytes == k * (6 + 4) and stats.fp32_bytes == len(texts) * 384 * 4
     # The coordinates decode to the kept steps' embeddings, as far as six directions of the dialogue span them.
     decoded = bottleneck.decode(compressor.dequantized(range(k)))
-    kept = dialogue_embeddings[table.created_at_step]
+    kept = dialogue_embeddings[table.created_at_turn]
     cosine = (decoded * kept).sum(1) / np.linalg.norm(decoded, axis=1) / np.linalg.norm(kept, axis=1)
     assert cosine.min() > 0.9
 

@@ -36,7 +36,7 @@ def test_online_equals_batch_with_the_shipped_filter(encoder, labyrinth_episode,
     table, batch_visible, batch_decisions = compress_batch(texts, rewards, encoder, load_temporal_filter(),
                                                            recent_window=1, embeddings=labyrinth_embeddings)
     online = compressor.memory()
-    for field in ("vectors", "scales", "spans", "reward_sums", "created_at_step"):
+    for field in ("vectors", "scales", "spans", "reward_sums", "created_at_turn"):
         np.testing.assert_array_equal(getattr(table, field), getattr(online, field), err_msg=field)
     assert batch_visible == visible
     assert [(d.keep, d.reason) for d in batch_decisions] == [(d.keep, d.reason) for d in decisions]
