@@ -149,7 +149,8 @@ class ShadowScorerProcess:
         self.failed: str | None = None  # why the scorer is gone: nothing more is asked of it, training goes on
         log_path = run_dir.log("shadow")
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        # Niced: it takes the CPU the samplers and the trainer leave, never theirs.
+        # Niced (10): it runs mostly on the CPU the samplers and the trainer leave, but a busy trainer on the
+        # same CPUs still cedes it a small share (nice 10 weighs about a tenth of nice 0).
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sao.cli", "shadow", "--config", str(config_path), "--run-dir", str(run_dir.root)],
             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10))
