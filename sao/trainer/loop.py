@@ -116,6 +116,8 @@ class Trainer:
         # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
         gc.freeze()
         self.engine = build_engine(policy, config.trainer)
+        if self.base_policy is not None:  # rows are scored on the engine's device: a GPU's, where there is one
+            self.base_policy.to(self.engine.device)
         self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
         self._started("engine")
         return validator
