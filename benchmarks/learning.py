@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -68,7 +69,7 @@ def step_signals(step: dict) -> dict:
     return {"step": step.get("step"), "version": step.get("policy_version"), "reward_mean": mean(rewards),
             "first_try": mean(step.get("first_attempt_success") or []), "grad_norm": step.get("grad_norm"),
             "kl_to_base": step.get("kl_to_base"), "kl_behaviour": step.get("kl_k3"), "token_nll": step.get("token_nll"),
-            "advantage_sd": stderr(advantages) * len(advantages) ** 0.5 if len(advantages) > 1 else None,
+            "advantage_sd": statistics.stdev(advantages) if len(advantages) > 1 else None,
             "advantage_positive": mean([a > 0 for a in advantages]),
             "advantage_abs_max": max((abs(a) for a in advantages), default=None),
             "staleness": mean(step.get("staleness") or [])}
