@@ -205,6 +205,12 @@ class SamplerConfig(Section):
     rollout_batch: int = Field(
         4, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
                              "refilled as soon as its episode ends); each is still one trajectory with its own env.")
+    publish_in_order: bool = Field(
+        True, description="Hand finished episodes on in the order they started: one that ends early waits for the "
+                          "episodes started before it (generation goes on meanwhile). Without it the quick episodes "
+                          "reach the trainer first (in arithmetic, right first answers end a turn sooner than "
+                          "wrong ones with their retry), so the first batches are one-sided: mostly successes, then "
+                          "mostly failures. sao/sampler/ordering.py says more.")
     policy_dir: str | None = Field(
         None, description="The trainer's policy folder (RUN_DIR/policy; on another machine, a shared mount at the "
                           "same path). An announced weights file must resolve directly inside it. Unset: RUN_DIR/policy "
@@ -237,6 +243,11 @@ class TrainerConfig(Section):
     priority_exponent: float = Field(
         0.0, ge=0, description="Replay priority (freshness_decay**staleness * |advantage|)**exponent; 0 = oldest first.")
     learning_rate: float = Field(3e-5, gt=0, description="AdamW learning rate.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Raise the learning rate linearly over the first this many optimizer steps (step k of "
+                             "them uses learning_rate * k / warmup_steps). Adam's first updates move every weight by "
+                             "about the learning rate whatever the gradient's noise, since its moment estimates hold "
+                             "one gradient; a warm-up lets them fill first. 0 = the full rate from the first step.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global L2 gradient norm to this.")
     objective: Literal["tis", "ppo", "masked"] = Field(

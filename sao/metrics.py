@@ -119,6 +119,8 @@ TRAINER_RATIO = Gauge(
     "Importance ratio rho = pi/mu over the last batch's tokens: stat=mean|abs_dev (mean |rho-1|)|clip_fraction.",
     ["stat"])
 TRAINER_KL = Gauge("sao_trainer_kl_k3", "k3 estimate of KL(mu || pi) over the last batch's tokens.")
+TRAINER_LEARNING_RATE = Gauge("sao_trainer_learning_rate", "The learning rate of the last optimizer step "
+                                                           "(trainer.learning_rate after trainer.warmup_steps).")
 TRAINER_KL_TO_BASE = Gauge("sao_trainer_kl_to_base", "k3 estimate of KL(pi || base policy) over the last batch's "
                                                      "tokens (trainer.measure_kl_to_base or kl_to_base_coef).")
 TRAINER_TOKEN_NLL = Gauge("sao_trainer_token_nll", "Mean -log pi of the last batch's sampled tokens (an entropy "
@@ -232,6 +234,8 @@ def export_trainer_step(record: StepRecord) -> None:
         TRAINER_TOKEN_NLL.set(record.token_nll)
     if record.kl_to_base is not None:
         TRAINER_KL_TO_BASE.set(record.kl_to_base)
+    if record.learning_rate is not None:
+        TRAINER_LEARNING_RATE.set(record.learning_rate)
     for versions in record.staleness:
         TRAINER_STALENESS.observe(versions)
     for delay in record.sampling_to_training_s:

@@ -204,6 +204,7 @@ class StepRecord:
     publish_s: float  # gathering and announcing weights after the step (0 when it did not publish)
     token_nll: float | None = None  # mean -log pi of the sampled tokens (entropy estimate); None in older records
     kl_to_base: float | None = None  # k3 KL(current || base) on the sampled tokens; None: the base was not scored
+    learning_rate: float | None = None  # the rate this step used; None in older records
     # Per trajectory, from `attempt_success`; empty in records written before they existed.
     first_attempt_success: list[float] = field(default_factory=list)  # 1.0 when the first attempt was right
     second_attempt_success: list[float | None] = field(default_factory=list)  # None: no second attempt

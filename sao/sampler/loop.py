@@ -32,6 +32,7 @@ from sao.metrics import (
 from sao.policy.weights import WeightsMismatch, announced_weights_path
 from sao.sampler.admission import Admission
 from sao.sampler.offsets import OffsetTracker
+from sao.sampler.ordering import StartOrder
 from sao.sampler.outbox import Outbox
 from sao.sampler.rollout import LiveEpisode, Roller
 from sao.sampler.weight_sync import Resync, WeightSync
@@ -83,6 +84,7 @@ class Sampler:
         self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live
         self.admission = Admission(config.sampler.rollout_batch)  # `run` sets its max_tasks
+        self.start_order = StartOrder() if config.sampler.publish_in_order else None
         self.stopping = False
 
     @property
@@ -134,6 +136,8 @@ class Sampler:
             if live:
                 log.warning("stopped: %d live episode(s) abandoned, their tasks left uncommitted for the group to "
                             "roll out again: %s", len(live), [episode.task.task_id for episode, _ in live])
+            for hand_on in self.start_order.waiting() if self.start_order is not None else ():
+                hand_on()  # finished episodes that waited for an abandoned one
             self.outbox.drain()
             self._commit()
         except BrokerGone as gone:
@@ -153,8 +157,10 @@ class Sampler:
 
     def _in_flight(self, live: list[tuple[LiveEpisode, object]]) -> str:
         """What this sampler held: episodes whose task offsets are uncommitted, messages not acknowledged."""
-        return (f"{len(live)} live episode(s), tasks {[episode.task.task_id for episode, _ in live]} (their offsets "
-                f"are not committed); {len(self.admission.held)} task(s) held for a policy version, not started; "
+        held = self.start_order.held if self.start_order is not None else 0
+        return (f"{len(live)} live episode(s), tasks {[episode.task.task_id for episode, _ in live]}, and {held} "
+                f"finished one(s) waiting for them (their offsets are not committed); {len(self.admission.held)} "
+                f"task(s) held for a policy version, not started; "
                 f"unacknowledged messages (topic, key): {self.producer.unacknowledged()}")
 
     def _stop(self, *_: object) -> None:
@@ -249,6 +255,8 @@ class Sampler:
         """Episodes of `tasks` under the current policy version; a failed env reset is dead-lettered."""
         started = []
         for task, msg in tasks:
+            if self.start_order is not None:
+                self.start_order.started(_message_key(msg))
             episode = self.roller.start(task, self.policy_version)
             if isinstance(episode, EnvFailure):
                 self._finish(msg, task, episode)
@@ -257,6 +265,15 @@ class Sampler:
         return started
 
     def _finish(self, msg, task: Task, outcome: Trajectory | EnvFailure) -> None:
+        """An episode ended: hand it on now, or once every episode started before it has left
+        (`sampler.publish_in_order`, sao/sampler/ordering.py)."""
+        if self.start_order is None:
+            self._hand_on(msg, task, outcome)
+            return
+        for hand_on in self.start_order.finished(_message_key(msg), lambda: self._hand_on(msg, task, outcome)):
+            hand_on()
+
+    def _hand_on(self, msg, task: Task, outcome: Trajectory | EnvFailure) -> None:
         """Hand a finished task on: its trajectory to the trainer (queued), or its failure to the DLQ."""
         if isinstance(outcome, EnvFailure):
             # The env raised or hung: this task ends here, the sampler goes on.
@@ -432,3 +449,8 @@ def _live_episodes(live: list[tuple[LiveEpisode, object]]) -> list[dict]:
     now, clock = time.time(), time.perf_counter()
     return [{"task_id": episode.task.task_id, "copy": episode.task.copy,
              "started_at": now - (clock - episode.started)} for episode, _ in live]
+
+
+def _message_key(msg) -> tuple[str, int, int]:
+    """A task message's place in the log: what tells one started episode from another."""
+    return msg.topic(), msg.partition(), msg.offset()

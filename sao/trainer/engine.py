@@ -99,6 +99,9 @@ def build_engine(model: torch.nn.Module, trainer: TrainerConfig):
     """Wrap `model` in a ZeRO-3 engine with torch AdamW; returns the DeepSpeed engine."""
     import deepspeed
 
+    if trainer.warmup_steps and "scheduler" in user_deepspeed_config(trainer):
+        raise ValueError("trainer.warmup_steps: set it or a DeepSpeed scheduler in trainer.deepspeed, not both "
+                         "(each would set the learning rate)")
     init_distributed()
     optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay,
                                   fused=trainer.fused_adamw or None)
@@ -107,6 +110,20 @@ def build_engine(model: torch.nn.Module, trainer: TrainerConfig):
                                           config=deepspeed_config(trainer, torch.distributed.get_world_size()))
     _skip_reduce_scatter_onto_itself()
     return engine
+
+
+def learning_rate_at(trainer: TrainerConfig, step: int) -> float:
+    """The learning rate of optimizer step `step` (1 = the first): `trainer.learning_rate` after a
+    linear warm-up over `trainer.warmup_steps`."""
+    if step >= trainer.warmup_steps:
+        return trainer.learning_rate
+    return trainer.learning_rate * max(step, 1) / trainer.warmup_steps
+
+
+def set_learning_rate(engine, learning_rate: float) -> None:
+    """Set the rate the engine's next optimizer step uses (every parameter group)."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = learning_rate
 
 
 def _skip_reduce_scatter_onto_itself() -> None:

@@ -45,7 +45,14 @@ from sao.trainer.checkpoint import (
     verify_checkpoint,
 )
 from sao.trainer.distributed import broadcast_batch, rank, world_size
-from sao.trainer.engine import batch_layout, build_engine, memory_per_rank, shutdown
+from sao.trainer.engine import (
+    batch_layout,
+    build_engine,
+    learning_rate_at,
+    memory_per_rank,
+    set_learning_rate,
+    shutdown,
+)
 from sao.trainer.leader_io import LeaderIO
 from sao.trainer.publisher import PolicyPublisher
 from sao.trainer.shadow_validation import ShadowValidation
@@ -84,6 +91,7 @@ class Trainer:
         self.buffer = self._replay_buffer()
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
+        self.step_learning_rate = config.trainer.learning_rate  # the rate the latest step used
         self.run_started: float | None = None  # perf_counter at the start of `run`
         self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
         self.stopping = False
@@ -302,6 +310,9 @@ class Trainer:
         dead-lettered; only an applied step's rewards reach the baselines."""
         cfg, version = self.config.trainer, self.state.policy_version
         started = time.perf_counter()
+        if cfg.warmup_steps:
+            set_learning_rate(self.engine, learning_rate_at(cfg, self.state.step + 1))
+        self.step_learning_rate = self.engine.optimizer.param_groups[0]["lr"]  # a DeepSpeed scheduler moves it after
         outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
                              lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_width,
                              self.accumulation, lambda: self.stopping, self.base_policy)
@@ -351,6 +362,7 @@ class Trainer:
             clip_fraction=stats.clip_fraction, kl_k3=stats.kl_k3, value_loss=stats.value_loss,
             token_nll=stats.token_nll, kl_to_base=stats.kl_to_base if math.isfinite(stats.kl_to_base) else None,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), step_s=step_s,
+            learning_rate=self.step_learning_rate,
             wait_s=self.phase_s["wait"], forward_backward_s=self.phase_s["forward_backward"],
             optimizer_s=self.phase_s["optimizer"], publish_s=self.phase_s["publish"],
             first_attempt_success=[first for first, _ in attempts],

@@ -2,6 +2,7 @@
 episode ends, task offsets are committed only below unfinished work, and new policy versions
 are loaded between trajectories only."""
 
+import pytest
 from confluent_kafka import TopicPartition
 
 from sao.feeder import feed_tasks
@@ -11,11 +12,13 @@ from sao.transport.kafka import make_consumer, read_all
 from sao.transport.topics import ensure_topics
 
 
+@pytest.mark.parametrize("in_order", [True, False])
 def test_a_finished_episode_is_replaced_at_once_and_every_task_is_committed(
-        kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path):
+        kafka_bootstrap, unique_topic_prefix, tiny_config, tmp_path, in_order):
     from support import turns_env
 
     config = tiny_config.model_copy(deep=True)
+    config.sampler.publish_in_order = in_order
     p = unique_topic_prefix
     config.topics.tasks, config.topics.trajectories = f"{p}.tasks", f"{p}.traj"
     config.topics.policy, config.topics.dlq, config.topics.sampler_group = f"{p}.policy", f"{p}.dlq", f"{p}-s"
@@ -36,7 +39,12 @@ def test_a_finished_episode_is_replaced_at_once_and_every_task_is_committed(
     steps_per_task = {i: events.count(("step", i)) for i in range(4)}
     assert steps_per_task == {0: 1, 1: 3, 2: 1, 3: 1}
     trajectories = [decode(m.value(), Trajectory) for m in read_all(kafka_bootstrap, config.topics.trajectories)]
-    assert sorted(t.task_id for t in trajectories) == [f"train/turns/{i}" for i in range(4)]
+    published = [t.task_id for t in trajectories]
+    assert sorted(published) == [f"train/turns/{i}" for i in range(4)]
+    if in_order:  # task 2 ended before task 1 but waited for it: the trainer sees them as they started
+        assert published == [f"train/turns/{i}" for i in range(4)]
+    else:  # handed on as they ended: the long episode comes last
+        assert published.index("train/turns/2") < published.index("train/turns/1")
     checker = make_consumer(kafka_bootstrap, config.topics.sampler_group)
     try:
         committed = checker.committed([TopicPartition(config.topics.tasks, 0)], timeout=10)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from sao.config import TrainerConfig
-from sao.trainer.engine import batch_layout, deepspeed_config
+from sao.trainer.engine import batch_layout, build_engine, deepspeed_config, learning_rate_at
 
 
 def test_derived_config_is_zero3_with_clipping():
@@ -40,3 +40,16 @@ def test_offload_optimizer_puts_the_optimizer_on_the_cpu_and_the_inline_table_st
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
     pinned = TrainerConfig(offload_optimizer=True, deepspeed={"zero_optimization": {"offload_optimizer": {"pin_memory": True}}})
     assert deepspeed_config(pinned, 1)["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_warm_up_raises_the_rate_linearly_and_then_holds_it():
+    trainer = TrainerConfig(learning_rate=4e-5, warmup_steps=4)
+    assert [learning_rate_at(trainer, step) for step in (1, 2, 3, 4, 5, 100)] == pytest.approx(
+        [1e-5, 2e-5, 3e-5, 4e-5, 4e-5, 4e-5])
+    assert learning_rate_at(TrainerConfig(learning_rate=4e-5), 1) == 4e-5  # 0 steps: no warm-up
+
+
+def test_warm_up_and_a_deepspeed_scheduler_are_refused_together():
+    trainer = TrainerConfig(warmup_steps=2, deepspeed={"scheduler": {"type": "WarmupLR", "params": {}}})
+    with pytest.raises(ValueError, match=r"trainer\.warmup_steps"):
+        build_engine(None, trainer)

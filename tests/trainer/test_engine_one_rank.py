@@ -90,3 +90,37 @@ def test_the_kl_to_the_base_starts_at_zero_and_grows_as_the_policy_trains():
     assert 0 < kl[1] < kl[2]  # each update moves the policy further from the frozen base
     assert found["base_unchanged"]  # ZeRO-3 and the optimizer never touch the copy
     assert all(value > 0 for value in found["nll"])
+
+
+WARM_UP = TINY_ENGINE + """
+import deepspeed
+from sao.trainer.batch import all_rows, plan_batch, rank_loss
+from sao.trainer.engine import set_learning_rate
+
+policy = build_policy(config.policy, 384)
+start = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+engine = build_engine(policy, cfg)
+rng = np.random.default_rng(0)
+batch = [synthetic_trajectory(i, rng) for i in range(cfg.batch_size)]
+plan = plan_batch(batch, RewardBaseline(), cfg, 0)
+
+
+def moved_after_one_step(rate):
+    set_learning_rate(engine, rate)
+    train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg, 0), cfg, 384,
+               batch_layout(cfg, 1)[1])
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return max(float((tensor - start[name]).abs().max()) for name, tensor in engine.module.state_dict().items())
+
+
+# Adam's first step moves each weight by about the rate (its moments hold one gradient).
+print(json.dumps({"quarter": moved_after_one_step(cfg.learning_rate / 4), "rate": cfg.learning_rate}))
+shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_rate_set_on_the_engine_is_the_rate_its_next_step_uses():
+    found = run_script(WARM_UP)
+    # A first AdamW step moves a weight by at most about the rate: a quarter of it, a quarter as far.
+    assert 0.1 * found["rate"] / 4 < found["quarter"] <= 1.05 * found["rate"] / 4
