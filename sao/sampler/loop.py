@@ -255,13 +255,13 @@ class Sampler:
         """Episodes of `tasks` under the current policy version; a failed env reset is dead-lettered."""
         started = []
         for task, msg in tasks:
-            if self.start_order is not None:
-                self.start_order.started(_message_key(msg))
             episode = self.roller.start(task, self.policy_version)
             if isinstance(episode, EnvFailure):
-                self._finish(msg, task, episode)
-            else:
-                started.append((episode, msg))
+                self._hand_on(msg, task, episode)  # no episode, so nothing to keep in order
+                continue
+            if self.start_order is not None:
+                self.start_order.started(_message_key(msg))
+            started.append((episode, msg))
         return started
 
     def _finish(self, msg, task: Task, outcome: Trajectory | EnvFailure) -> None:

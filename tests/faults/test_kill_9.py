@@ -65,6 +65,9 @@ def test_a_sampler_killed_mid_episode_leaves_its_tasks_to_the_next_and_nothing_i
     config = on_own_topics(tiny_config, kafka_bootstrap, unique_topic_prefix)
     config.env.name, config.env.max_turns, config.env.turn_timeout_s = "support.gated_env:GatedEnv", 5, 120
     config.policy.max_new_tokens, config.sampler.rollout_batch, config.trainer.batch_size = 3, 2, 3
+    # Handed on as it ends, task 2's trajectory is produced before task 1's: the window this test is about
+    # (produced, not committed). In start order it would wait for task 1 instead (tests/sampler/test_sampler.py).
+    config.sampler.publish_in_order = False
     run_dir, gate = tmp_path / "run", tmp_path / "gate"
     config.sampler.policy_dir = str(RunDir(run_dir).policy_dir)
     config_path = write_toml(config, tmp_path / "sao.toml")
