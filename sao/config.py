@@ -242,7 +242,7 @@ class TrainerConfig(Section):
     max_reuse: int = Field(1, ge=1, description="Times a buffered trajectory may be trained on (1 = exactly once).")
     priority_exponent: float = Field(
         0.0, ge=0, description="Replay priority (freshness_decay**staleness * |advantage|)**exponent; 0 = oldest first.")
-    learning_rate: float = Field(3e-5, gt=0, description="AdamW learning rate.")
+    learning_rate: float = Field(1.5e-5, gt=0, description="AdamW learning rate.")
     warmup_steps: int = Field(
         0, ge=0, description="Raise the learning rate linearly over the first this many optimizer steps (step k of "
                              "them uses learning_rate * k / warmup_steps). Adam's first updates move every weight by "
