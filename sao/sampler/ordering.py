@@ -4,8 +4,8 @@ How long an episode runs depends on how it goes: in arithmetic a right first ans
 episode after one turn, a wrong one only after its retry. Handed on as they end, the quick
 episodes reach the trainer first, so its first batch holds mostly successes and the one after it
 mostly the failures left behind: one-sided batches whose updates the baseline cannot balance.
-Held until every episode started before it has left, a trajectory reaches the trainer in start
-order instead, and each batch is a fair draw of the tasks as they were released.
+Held until every episode its sampler started before it has left, a trajectory reaches the trainer
+in start order instead: a batch is what each sampler started first, whatever its outcome.
 
 The cost is latency, not throughput: generation goes on while a finished trajectory waits, and
 it waits at most for the episodes already live beside it (a sampler loads a new policy version

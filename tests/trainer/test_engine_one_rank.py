@@ -94,7 +94,7 @@ def test_the_kl_to_the_base_starts_at_zero_and_grows_as_the_policy_trains():
 
 WARM_UP = TINY_ENGINE + """
 import deepspeed
-from sao.trainer.batch import all_rows, plan_batch, rank_loss
+from sao.trainer.batch import plan_batch
 from sao.trainer.engine import set_learning_rate
 
 policy = build_policy(config.policy, 384)
