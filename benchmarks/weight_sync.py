@@ -8,14 +8,23 @@ would (sao/policy/deltas.py): the bf16 snapshot of NEXT, and the bf16 delta from
 delta is then checked and applied as a sampler does (sao/sampler/weight_sync.py's steps, on a held
 bf16 state: read_delta, apply_changes, state_sha256), and the result is compared bit for bit with
 NEXT's bf16 cast. Reported: file bytes, the share of bf16 values that changed, what zlib (level 1)
-would save on the delta, and the times of each step. No model is loaded; nothing is asserted but
-the bit-exact result.
+would save on the delta, and the times of each step. Nothing is asserted but the bit-exact result.
+
+`--sync-repeats N` also times the whole sync of NEXT, trainer file to sampler model, for fp32
+whole (the folder default before bf16 deltas), bf16 whole and bf16 delta: the trainer's
+`PolicyPublisher.write_version` (cast, write, hash; for the delta also the compare and the
+state hash) and the sampler's `WeightSync.apply` into the real policy (read, verify, load or
+apply in place, and for the delta the result-state hash). BASE is published and loaded first,
+untimed, as the version the sampler holds. Arms alternate, N rounds; the median and range of
+each arm and its ratio to fp32 whole are printed. The ZeRO-3 gather before a publish and the
+announcement's trip through Kafka are the same for every arm and left out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +36,11 @@ from safetensors.torch import load_file
 
 from sao.policy.deltas import apply_changes, cast_state, read_delta, state_sha256, write_delta
 from sao.policy.weights import write_weights
+from sao.run_dir import RunDir
+from sao.sampler.weight_sync import WeightSync
+from sao.trainer.publisher import PolicyPublisher
+
+ARMS = {"fp32_whole": ("fp32", False), "bf16_whole": ("bf16", False), "bf16_delta": ("bf16", True)}
 
 
 def _timed(action):
@@ -67,14 +81,58 @@ def measure(base_path: Path, next_path: Path) -> dict:
         }
 
 
+def sync_once(arm: str, base: dict, upcoming: dict, policy, folder: Path) -> dict:
+    """One sync of `upcoming` in `arm`, after `base` was published and loaded: trainer and sampler seconds."""
+    dtype, deltas = ARMS[arm]
+    publisher = PolicyPublisher(None, "unused", RunDir(folder), keep_versions=3, publish_dtype=dtype, deltas=deltas,
+                                snapshot_every=10)
+    sampler = WeightSync(policy)
+    first = publisher.write_version(base, 1, trainer_step=1)
+    sampler.apply(first, Path(first.weights_path))
+    announcement, publish_s = _timed(lambda: publisher.write_version(upcoming, 2, trainer_step=2))
+    _, apply_s = _timed(lambda: sampler.apply(announcement, Path(announcement.weights_path)))
+    return {"kind": announcement.kind, "bytes": announcement.num_bytes, "publish_s": publish_s, "apply_s": apply_s,
+            "sync_s": publish_s + apply_s}
+
+
+def measure_sync(base: dict, upcoming: dict, repeats: int) -> dict:
+    """Every arm `repeats` times, alternated, into the default config's policy on the CPU, as a sampler holds it."""
+    from sao.compression.bottleneck import memory_width, resolve_bottleneck
+    from sao.compression.semantic import encoder_dim, encoder_name
+    from sao.config import load_config
+    from sao.policy.weights import build_policy, place_for_sampling
+
+    config = load_config(overrides=[], environ={})
+    compression = config.compression
+    width = memory_width(resolve_bottleneck(compression.bottleneck, encoder_name(compression.encoder)),
+                         encoder_dim(compression.encoder))
+    policy = place_for_sampling(build_policy(config.policy, width), "cpu")
+    rounds: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for _ in range(repeats):
+        for arm in ARMS:
+            with tempfile.TemporaryDirectory() as folder:
+                rounds[arm].append(sync_once(arm, base, upcoming, policy, Path(folder)))
+    summary = {}
+    for arm, runs in rounds.items():
+        summary[arm] = {key: statistics.median(run[key] for run in runs) for key in ("publish_s", "apply_s", "sync_s")}
+        summary[arm].update(bytes=runs[0]["bytes"], sync_s_min=min(r["sync_s"] for r in runs),
+                            sync_s_max=max(r["sync_s"] for r in runs), n=len(runs))
+    for arm in ARMS:
+        summary[arm]["sync_vs_fp32_whole"] = summary[arm]["sync_s"] / summary["fp32_whole"]["sync_s"]
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", type=Path)
     parser.add_argument("next", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sync-repeats", type=int, default=0, help="rounds of the whole-sync timing (0: skip)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = measure(args.base, args.next)
+    if args.sync_repeats:
+        result["sync"] = measure_sync(load_file(str(args.base)), load_file(str(args.next)), args.sync_repeats)
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.write_text(text)

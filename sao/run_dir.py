@@ -7,6 +7,8 @@ RUN_DIR/
   logs/<process>.log     broker, trainer, sampler-N, shadow
   status/<process>.json  progress files (sao/status.py): trainer, trainer-rankN, sampler-N
   policy/policy-vNNNNNN.safetensors (+ .json sidecar with its sha256): the last kept versions
+  policy/delta-vNNNNNN.safetensors: a version published as a sparse delta on an earlier one (+ .json sidecar)
+  policy/best            a link to the best version's whole file (best-vNNNNNN.safetensors when it was a delta)
   policy/.announce-key   the key announcements are signed with (the trainer makes it, samplers read it)
   cluster-id             the Kafka cluster id at the run's first start: a resume elsewhere is refused
   checkpoints/           DeepSpeed checkpoints with sao's state (sao/trainer/checkpoint.py)
@@ -25,6 +27,7 @@ from pathlib import Path
 
 _WEIGHTS_PREFIX = "policy-v"
 _DELTA_PREFIX = "delta-v"
+_BEST_PREFIX = "best-v"
 
 
 def _at(*parts: str) -> property:
@@ -78,6 +81,13 @@ class RunDir:
     def weights_delta(self, version: int) -> Path:
         """A version published as a sparse delta on an earlier one (sao/policy/deltas.py)."""
         return self.policy_dir / f"{_DELTA_PREFIX}{version:06d}.safetensors"
+
+    def best_export(self, version: int) -> Path:
+        """A version published as a delta, written whole for RUN_DIR/policy/best to link to."""
+        return self.policy_dir / f"{_BEST_PREFIX}{version:06d}.safetensors"
+
+    def best_exports(self) -> list[Path]:
+        return sorted(self.policy_dir.glob(f"{_BEST_PREFIX}*.safetensors"))
 
     def weights_sidecar(self, version: int) -> Path:
         """The announcement's facts (sha256 above all) beside the file, for readers without Kafka."""

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 
+import torch
+from safetensors.torch import load_file
+
 from sao.policy.deltas import apply_changes, read_delta, state_sha256
 from sao.policy.model import MemoryPolicy
-from sao.policy.weights import WeightsMismatch, read_weights_into
+from sao.policy.weights import WeightsMismatch, read_weights_into, verified_file
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
 
@@ -40,6 +43,25 @@ def read_version_into(policy: MemoryPolicy, run_dir: RunDir, version: int) -> No
     Raises FileNotFoundError when a file of the chain was pruned, WeightsMismatch when one is not
     what its sidecar says.
     """
+    snapshot, deltas = _chain_back(run_dir, version)
+    state = read_weights_into(policy, run_dir.weights(snapshot.policy_version), snapshot.sha256)
+    _apply_deltas(state, run_dir, deltas)
+    if deltas:
+        policy.load_state_dict(state, strict=False)
+
+
+def read_version_state(run_dir: RunDir, version: int) -> dict[str, torch.Tensor]:
+    """Published `version`'s state (the publish dtype) without a model: for the trainer's own files, every
+    file checked against its sidecar as above."""
+    snapshot, deltas = _chain_back(run_dir, version)
+    with verified_file(run_dir.weights(snapshot.policy_version), snapshot.sha256) as source:
+        state = load_file(source)
+    _apply_deltas(state, run_dir, deltas)
+    return state
+
+
+def _chain_back(run_dir: RunDir, version: int) -> tuple[PolicyAnnouncement, list[PolicyAnnouncement]]:
+    """The snapshot `version` rests on and the deltas from it up to `version`, in order."""
     chain = []
     at = version
     while True:
@@ -52,11 +74,12 @@ def read_version_into(policy: MemoryPolicy, run_dir: RunDir, version: int) -> No
             break
         at = announcement.base_version
     snapshot, *deltas = reversed(chain)
-    state = read_weights_into(policy, run_dir.weights(snapshot.policy_version), snapshot.sha256)
+    return snapshot, deltas
+
+
+def _apply_deltas(state: dict[str, torch.Tensor], run_dir: RunDir, deltas: list[PolicyAnnouncement]) -> None:
     for delta in deltas:
         apply_changes(state, read_delta(run_dir.weights_delta(delta.policy_version), delta.sha256, state))
         if state_sha256(state) != delta.state_sha256:
             raise WeightsMismatch(f"policy v{delta.policy_version}: the chain's state does not hash to its "
                                   f"state_sha256", "result-sha256")
-    if deltas:
-        policy.load_state_dict(state, strict=False)

@@ -62,6 +62,14 @@ class PolicyPublisher:
 
         With deltas the publisher keeps `state`'s tensors as the next delta's base: nobody may change them.
         """
+        announcement = self.write_version(state, version, trainer_step)
+        announce(self.producer, self.topic, announcement)
+        metrics.record_policy_bytes(announcement.kind, announcement.num_bytes)
+        self._prune(version)
+        return announcement
+
+    def write_version(self, state: dict[str, torch.Tensor], version: int, trainer_step: int) -> PolicyAnnouncement:
+        """Write `version`'s file (whole or a delta) and its sidecar; its signed announcement, not yet sent."""
         published = cast_state(state, self.dtype)
         facts = self._write(published, version)
         path = self.run_dir.weights_delta(version) if facts.get("kind") == "delta" else self.run_dir.weights(version)
@@ -70,9 +78,6 @@ class PolicyPublisher:
         announcement = sign(announcement, self.key)
         # The same facts next to the file, so `sao eval` can verify a version without Kafka.
         self.run_dir.weights_sidecar(version).write_text(json.dumps(announcement.to_wire()))
-        announce(self.producer, self.topic, announcement)
-        metrics.record_policy_bytes(announcement.kind, announcement.num_bytes)
-        self._prune(version)
         return announcement
 
     def _write(self, published: dict[str, torch.Tensor], version: int) -> dict:

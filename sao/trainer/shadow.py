@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sao.policy.chain import read_version_state
+from sao.policy.weights import write_weights
 from sao.run_dir import RunDir
 from sao.stats import paired_gain, stderr
 from sao.status import write_status
@@ -212,8 +214,20 @@ class ShadowScorerProcess:
 
 
 def link_best(run_dir: RunDir, version: int | None) -> None:
-    """RUN_DIR/policy/best -> the best version's weights file; no link while the base model (v0) is best."""
+    """RUN_DIR/policy/best -> the best version's whole weights file; no link while the base model (v0) is best.
+
+    A version published as a delta is written whole once (best-vN), so the link always names a file
+    that loads alone; the export of a version no longer best goes.
+    """
     link = run_dir.best_weights
     link.unlink(missing_ok=True)
-    if version:
-        link.symlink_to(run_dir.weights(version).name)
+    target = run_dir.weights(version) if version else None
+    if version and not target.is_file() and run_dir.weights_delta(version).is_file():
+        target = run_dir.best_export(version)
+        if not target.is_file():
+            write_weights(read_version_state(run_dir, version), target)
+    for export in run_dir.best_exports():
+        if export != target:
+            export.unlink(missing_ok=True)
+    if target is not None:
+        link.symlink_to(target.name)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from sao.policy.chain import chain_versions, read_version_into
 from sao.policy.deltas import PUBLISH_DTYPES, decode_gaps, encode_gaps
@@ -16,6 +17,7 @@ from sao.run_dir import RunDir
 from sao.sampler.weight_sync import WeightSync
 from sao.trainer import publisher as publisher_module
 from sao.trainer.publisher import PolicyPublisher
+from sao.trainer.shadow import link_best
 
 DIM = 16
 
@@ -130,3 +132,22 @@ def test_pruning_keeps_the_snapshot_and_deltas_a_kept_version_rests_on(tiny_conf
     publisher.pinned = set
     publisher.publish_state(next(_adam_steps(_policy(tiny_config), 1)), 8, 8)
     assert run_dir.kept_versions() == [5, 6, 7, 8]  # v7, v8 kept; v8 and v7 rest on v5 and v6
+
+
+def test_the_best_link_names_a_whole_file_even_when_the_best_version_is_a_delta(tiny_config, tmp_path, monkeypatch):
+    publisher, _ = _publisher(tmp_path, monkeypatch, "bf16", snapshot_every=10)
+    run_dir = RunDir(tmp_path)
+    states = {}
+    for version, state in enumerate(_adam_steps(_policy(tiny_config), 3), start=1):
+        states[version] = {name: tensor.bfloat16() for name, tensor in state.items()}
+        publisher.publish_state(state, version, version)
+    link_best(run_dir, 3)  # v3 is a delta on v2 on v1: written whole once, and linked
+    assert run_dir.best_weights.resolve() == run_dir.best_export(3).resolve()
+    alone = load_file(str(run_dir.best_weights))
+    assert alone.keys() == states[3].keys()
+    assert all(torch.equal(_bits(alone[name]), _bits(tensor)) for name, tensor in states[3].items())
+    link_best(run_dir, 1)  # a snapshot: linked as it is, and v3's export goes
+    assert run_dir.best_weights.resolve() == run_dir.weights(1).resolve()
+    assert run_dir.best_exports() == []
+    link_best(run_dir, 0)  # the base model: no link
+    assert not run_dir.best_weights.is_symlink()
