@@ -188,7 +188,7 @@ class PolicyFollower:
         record_announcement_refused(reason)
         if self.ignored <= _LOG_FIRST or self.ignored % _LOG_EVERY == 0:
             detail = ("no announcement key to check it with (is the trainer's policy folder, with its .announce-key, "
-                      "readable here?)" if reason == "no-key" else reason)
+                      "readable here, or sampler.announce_key_file set?)" if reason == "no-key" else reason)
             log.warning("ignoring policy announcement v%d at offset %s: %s (%d ignored so far)",
                         announcement.policy_version, offset, detail, self.ignored)
         return False
@@ -245,8 +245,10 @@ class PolicyFollower:
 
 
 def _claim(announcement: PolicyAnnouncement) -> tuple:
-    """What an announcement says about a file: the same claim announced again is refused again, unread."""
-    return announcement.policy_version, announcement.weights_path, announcement.sha256, announcement.num_bytes
+    """What an announcement says about a file (and where its chunks are): the same claim announced again is refused
+    again, unread."""
+    return (announcement.policy_version, announcement.weights_path, announcement.sha256, announcement.num_bytes,
+            announcement.chunks)
 
 
 def latest_announced_version(bootstrap: str, topic: str, max_version_jump: int = DEFAULT_MAX_VERSION_JUMP,

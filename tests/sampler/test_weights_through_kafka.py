@@ -162,6 +162,7 @@ def test_a_bad_or_absent_version_is_refused_or_waited_on_and_the_sampler_ends_on
         v2 = dataclasses.replace(v2, chunks=run.sender.send(corrupted, 2, v2.sha256))
     elif fault == "missing-chunks":  # announced where its chunks are not (yet): the next ones to be written
         end = v3.chunks.offset + v3.chunks.count
+        run.sampler.weights_source.fetcher.timeout_s = 0.3  # each try waits this long for the chunk
         v2 = dataclasses.replace(v2, chunks=ChunkRange(run.weights_topic, 0, end, v2.chunks.count))
     elif fault == "over-the-bound":  # a signed announcement claiming more than max_weights_bytes, and lying chunks
         run.sampler.config.sampler.max_weights_bytes = 2 * v1.num_bytes
