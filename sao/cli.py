@@ -158,8 +158,10 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
 
     status = RunDir(run_dir).status(sampler_id) if run_dir else None
     if cfg.policy.transport == "kafka":  # weights come from the broker; only the key comes from disk
+        from sao.transport.announcements import ANNOUNCE_KEY_NAME
+
         if cfg.sampler.announce_key_file is None and run_dir:  # the trainer's, on the machine it runs on
-            cfg.sampler.announce_key_file = str(RunDir(run_dir).policy_dir / ".announce-key")
+            cfg.sampler.announce_key_file = str(RunDir(run_dir).policy_dir / ANNOUNCE_KEY_NAME)
         if cfg.sampler.announce_key_file is None:
             console.print("[red]no announcement key:[/] set sampler.announce_key_file to a copy of the trainer's "
                           "RUN_DIR/policy/.announce-key (or pass the trainer's --run-dir on its machine)")
