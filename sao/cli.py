@@ -157,12 +157,23 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     from sao.sampler.loop import Sampler
 
     status = RunDir(run_dir).status(sampler_id) if run_dir else None
-    if cfg.sampler.policy_dir is None and run_dir:
-        cfg.sampler.policy_dir = str(RunDir(run_dir).policy_dir)
-    if cfg.sampler.policy_dir is None:  # it could never load a new version: refuse to start rather than go stale
-        console.print("[red]no policy folder:[/] pass --run-dir (its policy/ is used) or set sampler.policy_dir "
-                      "to the folder the trainer publishes weights into (a shared mount on another machine)")
-        raise typer.Exit(2)
+    if cfg.policy.transport == "kafka":  # weights come from the broker; only the key comes from disk
+        from sao.transport.announcements import ANNOUNCE_KEY_NAME
+
+        if cfg.sampler.announce_key_file is None and run_dir:  # the trainer's, on the machine it runs on
+            cfg.sampler.announce_key_file = str(RunDir(run_dir).policy_dir / ANNOUNCE_KEY_NAME)
+        if cfg.sampler.announce_key_file is None:
+            console.print("[red]no announcement key:[/] set sampler.announce_key_file to a copy of the trainer's "
+                          "RUN_DIR/policy/.announce-key (or pass the trainer's --run-dir on its machine)")
+            raise typer.Exit(2)
+    else:
+        if cfg.sampler.policy_dir is None and run_dir:
+            cfg.sampler.policy_dir = str(RunDir(run_dir).policy_dir)
+        if cfg.sampler.policy_dir is None:  # it could never load a new version: refuse to start rather than go stale
+            console.print("[red]no policy folder:[/] pass --run-dir (its policy/ is used) or set sampler.policy_dir "
+                          "to the folder the trainer publishes weights into (a shared mount on another machine), or "
+                          "use policy.transport = 'kafka'")
+            raise typer.Exit(2)
     with _exit_when_broker_gone():
         Sampler(cfg, _bootstrap(cfg, bootstrap_servers), sampler_id, status).run(max_tasks)
 

@@ -73,6 +73,10 @@ class TopicsConfig(Section):
     tasks: str = Field("sao.tasks", description="Feeder -> samplers.")
     trajectories: str = Field("sao.trajectories", description="Samplers -> trainer.")
     policy: str = Field("sao.policy", description="Trainer -> samplers: policy version announcements.")
+    weights: str = Field(
+        "sao.weights", description="Trainer -> samplers with policy.transport = 'kafka': the published files in "
+                                   "chunks (one partition). The trainer creates it at its first publish with a "
+                                   "retention sized from the snapshot (docs/design.md, 'Where weights travel').")
     dlq: str = Field("sao.dlq", description="Dead letters: malformed, incompatible or rejected messages.")
     sampler_group: str = Field("sao-samplers", description="Consumer group of the samplers on the tasks topic.")
     trainer_group: str = Field("sao-trainer", description="Consumer group of the trainer on the trajectories topic.")
@@ -166,6 +170,16 @@ class PolicyConfig(Section):
                     "(`sao compression align`) if any, else zero; `zero` = zero init (memory adds nothing until "
                     "trained); or a projector .safetensors path, refused unless its sidecar names this model and encoder.")
     cache_dir: str = Field("~/.cache/sao/models", description="Where converted models are cached.")
+    transport: Literal["folder", "kafka"] = Field(
+        "folder", description="How published weights reach the samplers. folder: the trainer's policy folder "
+                              "(local disk, or a shared mount: sampler.policy_dir). kafka: each file travels in "
+                              "chunks on topics.weights before its announcement, so a sampler needs only the broker "
+                              "and the announcement key (sampler.announce_key_file). The trainer writes its own "
+                              "files either way (sao eval, shadow scoring, checkpoints use them).")
+    chunk_bytes: int = Field(
+        4 << 20, ge=64 << 10, le=32 << 20,
+        description="policy.transport = kafka: bytes of a file per chunk message, well under the broker's message "
+                    "limit (64 MiB, MAX_MESSAGE_BYTES in sao/transport/kafka.py).")
 
 
 class CompressionConfig(Section):
@@ -217,7 +231,15 @@ class SamplerConfig(Section):
                           "of `sao sampler --run-dir`; `sao sampler` with neither refuses to start.")
     max_weights_bytes: int = Field(
         8 << 30, ge=1, description="Largest weights file a sampler reads, in bytes (compared with both the announced "
-                                   "and the actual size before reading); fp32 weights take 4 bytes per parameter.")
+                                   "and the actual size before reading, and before a chunk is fetched with "
+                                   "policy.transport = kafka); fp32 weights take 4 bytes per parameter.")
+    announce_key_file: str | None = Field(
+        None, description="The run's announcement key (the trainer's RUN_DIR/policy/.announce-key, or a copy of it): "
+                          "announcements not signed with it are ignored. Unset: .announce-key in sampler.policy_dir. "
+                          "policy.transport = kafka needs it set, or `sao sampler --run-dir` on the trainer's machine.")
+    weights_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="policy.transport = kafka: a version whose next chunk has not arrived within this many "
+                                "seconds is not ready (pruned by retention, or not there yet) and is tried again later.")
     max_version_jump: int = Field(
         1000, ge=1, description="An announced version more than this above the newest one read so far is refused "
                                 "as implausible (as is a negative one, or one above 2^62).")

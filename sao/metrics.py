@@ -61,6 +61,9 @@ SAMPLER_POLICY_BYTES = Counter(
 SAMPLER_POLICY_APPLY_SECONDS = Histogram(
     "sao_sampler_policy_apply_seconds", "Time to read, check and apply one policy file, by kind (snapshot, delta).",
     ["kind"], buckets=_SLOW_SECONDS)
+SAMPLER_WEIGHTS_FETCH_SECONDS = Histogram(
+    "sao_sampler_weights_fetch_seconds", "policy.transport = kafka: time to fetch one policy file's chunks from the "
+    "weights topic into the sampler's own file, by kind (snapshot, delta).", ["kind"], buckets=_SLOW_SECONDS)
 SAMPLER_POLICY_RESYNCS = Counter(
     "sao_sampler_policy_resyncs_total", "Times a sampler dropped the weights it held from the delta chain "
     "(a delta's base sha256 did not match them) and re-synced from a snapshot.")
@@ -110,6 +113,9 @@ TRAINER_POLICY_VERSION = Gauge("sao_trainer_policy_version", "Latest policy vers
 TRAINER_POLICY_BYTES = Histogram(
     "sao_trainer_policy_version_bytes", "Bytes of each published policy file, by kind (snapshot, delta).", ["kind"],
     buckets=_FILE_BYTES)
+TRAINER_WEIGHTS_SEND_SECONDS = Histogram(
+    "sao_trainer_weights_send_seconds", "policy.transport = kafka: time to send one published file in chunks to the "
+    "weights topic until the broker acknowledged every chunk.", buckets=_SLOW_SECONDS)
 TRAINER_LOSS = Gauge("sao_trainer_loss", "Loss of the last step.")
 TRAINER_REWARD = Histogram("sao_trainer_reward", "Total reward of each trajectory trained on.", buckets=_REWARDS)
 TRAINER_ADVANTAGE = Gauge("sao_trainer_advantage", "Advantages of the last batch: stat=mean|std|min|max.", ["stat"])
@@ -282,6 +288,16 @@ def record_policy_applied(kind: str, num_bytes: int, seconds: float) -> None:
     """A sampler read, checked and applied a policy file of `kind` and `num_bytes` in `seconds`."""
     SAMPLER_POLICY_BYTES.labels(kind=kind).inc(num_bytes)
     SAMPLER_POLICY_APPLY_SECONDS.labels(kind=kind).observe(seconds)
+
+
+def record_weights_sent(seconds: float) -> None:
+    """The trainer sent a published file through the weights topic in `seconds` (all chunks acknowledged)."""
+    TRAINER_WEIGHTS_SEND_SECONDS.observe(seconds)
+
+
+def record_weights_fetched(kind: str, seconds: float) -> None:
+    """A sampler fetched a policy file of `kind` from the weights topic in `seconds`."""
+    SAMPLER_WEIGHTS_FETCH_SECONDS.labels(kind=kind).observe(seconds)
 
 
 def record_policy_resync() -> None:

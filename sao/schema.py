@@ -368,6 +368,31 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
+class ChunkRange:
+    """Where a version's file travels with `policy.transport = "kafka"`: `count` WeightsChunk messages at the
+    consecutive offsets from `offset` on, in one partition of the weights topic."""
+
+    topic: str
+    partition: int
+    offset: int
+    count: int
+
+    def to_wire(self) -> list:
+        return [self.topic, self.partition, self.offset, self.count]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ChunkRange:
+        _require(type(obj) is list and len(obj) == 4, "chunks", "expected [topic, partition, offset, count]")
+        topic, partition, offset, count = obj
+        _require(type(topic) is str and 0 < len(topic) <= 249, "chunks", "the topic must be a name")
+        _require(all(type(n) is int for n in (partition, offset, count)), "chunks", "partition, offset and count "
+                 "must be integers")
+        _require(partition >= 0 and offset >= 0 and count >= 1, "chunks", "a partition and offset >= 0 and "
+                 "at least one chunk")
+        return cls(topic, partition, offset, count)
+
+
+@dataclass(frozen=True)
 class PolicyAnnouncement:
     """A new policy version: where its safetensors file is and its sha256; whole, or a delta on an earlier one.
 
@@ -391,14 +416,20 @@ class PolicyAnnouncement:
     base_version: int = 0
     base_sha256: str = ""
     state_sha256: str = ""
+    # With `policy.transport = "kafka"`: where the file's chunks are on the weights topic (sao/transport/weights.py);
+    # `weights_path` then only names the trainer's own copy. None (absent on the wire): the file is in the folder.
+    chunks: ChunkRange | None = None
 
     def signed_fields(self) -> bytes:
-        """The bytes a signature covers: every field but the signature, in a fixed order (the chain fields only
-        when there are any, so a whole file's announcement is signed as before they existed)."""
+        """The bytes a signature covers: every field but the signature, in a fixed order (the chain fields and the
+        chunks only when there are any, so a whole file's announcement in the folder is signed as before they
+        existed). The chunks are one nested list, so no two layouts of the fields pack alike."""
         fields = [self.policy_version, self.weights_path, self.sha256, self.num_bytes, self.trainer_step,
                   self.created_at]
         if self.kind != "snapshot" or self.state_sha256:
             fields += [self.kind, self.base_version, self.base_sha256, self.state_sha256]
+        if self.chunks is not None:
+            fields.append(self.chunks.to_wire())
         return msgpack.packb(fields, use_bin_type=True)
 
     def to_wire(self) -> dict[str, Any]:
@@ -410,6 +441,8 @@ class PolicyAnnouncement:
             wire.update(base_version=self.base_version, base_sha256=self.base_sha256)
         if self.state_sha256:
             wire["state_sha256"] = self.state_sha256
+        if self.chunks is not None:
+            wire["chunks"] = self.chunks.to_wire()
         return wire
 
     @classmethod
@@ -430,14 +463,45 @@ class PolicyAnnouncement:
                    num_bytes=_get(obj, "num_bytes", int), trainer_step=_get(obj, "trainer_step", int),
                    created_at=float(_get(obj, "created_at", (int, float))),
                    signature=_get(obj, "signature", str) if "signature" in obj else "",
-                   kind=kind, base_version=base_version, base_sha256=base_sha, state_sha256=state_sha)
+                   kind=kind, base_version=base_version, base_sha256=base_sha, state_sha256=state_sha,
+                   chunks=ChunkRange.from_wire(obj["chunks"]) if "chunks" in obj else None)
 
 
-_KINDS: dict[str, type] = {"task": Task, "trajectory": Trajectory, "policy": PolicyAnnouncement}
+@dataclass(frozen=True)
+class WeightsChunk:
+    """One piece of a published weights file on the weights topic: `data` is the file's bytes from `position` on.
+
+    Chunk `index` of `count` of the file whose sha256 is `sha256` (policy.transport = "kafka"; docs/wire-format.md).
+    """
+
+    policy_version: int
+    sha256: str
+    index: int
+    count: int
+    position: int
+    data: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.policy_version, "sha256": self.sha256, "index": self.index, "count": self.count,
+                "position": self.position, "data": self.data}
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> WeightsChunk:
+        sha = _get(obj, "sha256", str)
+        _require(len(sha) == 64, "sha256", "expected 64 hex characters")
+        count, index, position = _get(obj, "count", int), _get(obj, "index", int), _get(obj, "position", int)
+        _require(count >= 1 and 0 <= index < count, "index", f"chunk {index} of {count}")
+        _require(position >= 0, "position", "must be >= 0")
+        return cls(policy_version=_get(obj, "version", int), sha256=sha, index=index, count=count,
+                   position=position, data=_get(obj, "data", bytes))
+
+
+_KINDS: dict[str, type] = {"task": Task, "trajectory": Trajectory, "policy": PolicyAnnouncement,
+                           "weights-chunk": WeightsChunk}
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 
 
-def encode(message: Task | Trajectory | PolicyAnnouncement) -> bytes:
+def encode(message: Task | Trajectory | PolicyAnnouncement | WeightsChunk) -> bytes:
     """Serialise a message to msgpack bytes with its schema version and kind."""
     body = message.to_wire()
     body["schema"] = SCHEMA_VERSION
@@ -445,7 +509,8 @@ def encode(message: Task | Trajectory | PolicyAnnouncement) -> bytes:
     return codec.packb(body)
 
 
-def decode(data: bytes | None, expected: type[Task] | type[Trajectory] | type[PolicyAnnouncement]):
+def decode(data: bytes | None,
+           expected: type[Task] | type[Trajectory] | type[PolicyAnnouncement] | type[WeightsChunk]):
     """Parse and validate msgpack bytes into `expected`; raise SchemaError naming the bad field."""
     if data is None:
         raise SchemaError("decode-error", "value", "message has no value")

@@ -15,7 +15,7 @@ from sao.compression.temporal import load_temporal_filter
 from sao.envs.registry import make_tasks
 from sao.policy.weights import build_policy
 from sao.sampler.rollout import Roller
-from sao.schema import PolicyAnnouncement, encode
+from sao.schema import ChunkRange, PolicyAnnouncement, WeightsChunk, encode
 
 WIRE_DOC = Path(__file__).resolve().parent.parent / "docs" / "wire-format.md"
 
@@ -68,7 +68,8 @@ def test_every_key_of_a_real_task_trajectory_and_announcement_is_in_the_wire_doc
     doc = WIRE_DOC.read_text()
     task = make_tasks(tiny_config.env, 1)[0]
     announcement = PolicyAnnouncement(policy_version=1, weights_path="policy/v1.safetensors", sha256="0" * 64,
-                                      num_bytes=10, trainer_step=1)
+                                      num_bytes=10, trainer_step=1, chunks=ChunkRange("sao.weights", 0, 0, 1))
+    chunk = WeightsChunk(policy_version=1, sha256="0" * 64, index=0, count=1, position=0, data=b"0" * 10)
     assert rolled_out.timings and rolled_out.compression and len(rolled_out.steps) > 1  # what the doc must cover
-    for message in (task, rolled_out, announcement):
+    for message in (task, rolled_out, announcement, chunk):
         assert undocumented(encode(message), doc) == [], f"{type(message).__name__}: keys docs/wire-format.md lacks"

@@ -29,16 +29,17 @@ from sao.metrics import (
     record_rollout,
     record_versions_behind,
 )
-from sao.policy.weights import WeightsMismatch, announced_weights_path
+from sao.policy.weights import WeightsMismatch
 from sao.sampler.admission import Admission
 from sao.sampler.offsets import OffsetTracker
 from sao.sampler.ordering import StartOrder
 from sao.sampler.outbox import Outbox
 from sao.sampler.rollout import LiveEpisode, Roller
+from sao.sampler.weight_source import announce_key_reader, weight_source
 from sao.sampler.weight_sync import Resync, WeightSync
 from sao.schema import PolicyAnnouncement, SchemaError, Task, Trajectory, decode, encode
 from sao.status import process_usage, write_status
-from sao.transport.announcements import PolicyFollower, read_announce_key
+from sao.transport.announcements import PolicyFollower
 from sao.transport.dlq import DeadLetterQueue
 from sao.transport.health import BrokerGone, BrokerWatch
 from sao.transport.kafka import MAX_MESSAGE_BYTES, TASK_CONSUMER_SETTINGS, RenewingProducer, make_consumer
@@ -67,13 +68,14 @@ class Sampler:
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
                          "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,
                          "idle_s": 0.0, "run_s": 0.0}  # idle: no live episode (waiting for tasks or a reload)
-        # Only announcements signed with the run's key (beside its weights) are read; the key is read when needed.
+        # Announced weights come only from here: the policy folder or the weights topic (policy.transport).
+        self.weights_source = weight_source(config, bootstrap)
+        # Only announcements signed with the run's key are read; the key is read when needed.
+        key = announce_key_reader(config, self.weights_source)
         self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump,
-                                              key=lambda: read_announce_key(self.policy_dir))
+                                              key=key)
         self.missing_refused: set[int] = set()  # versions refused for a missing file (retried; said once)
         self.behind = False  # more than trainer.max_staleness versions behind the newest announced (said once)
-        # Announced weights are read only from here (None: every announcement is refused, said once).
-        self.policy_dir = Path(config.sampler.policy_dir) if config.sampler.policy_dir else None
         self.broker_watch = BrokerWatch(bootstrap, sampler_id, config.broker.loss_timeout_s)
         self.producer = RenewingProducer(bootstrap, self.broker_watch)
         self.dlq = DeadLetterQueue(self.producer, config.topics.dlq)
@@ -86,6 +88,15 @@ class Sampler:
         self.admission = Admission(config.sampler.rollout_batch)  # `run` sets its max_tasks
         self.start_order = StartOrder() if config.sampler.publish_in_order else None
         self.stopping = False
+
+    @property
+    def policy_dir(self) -> Path | None:
+        """The trainer's policy folder this sampler reads (None: none, as with policy.transport = kafka)."""
+        return self.weights_source.policy_dir
+
+    @policy_dir.setter
+    def policy_dir(self, folder: Path | None) -> None:
+        self.weights_source.policy_dir = folder
 
     @property
     def policy_version(self) -> int:
@@ -152,6 +163,7 @@ class Sampler:
         """Leave the group, flush what is queued, stop the broker probe (its thread outlives us otherwise)."""
         self.tasks.close()
         self.policy_follower.close()
+        self.weights_source.close()
         self.producer.flush(10)
         self.broker_watch.close()
 
@@ -241,7 +253,8 @@ class Sampler:
         while problem is None and self.policy_version < version:
             if time.monotonic() > deadline:
                 problem = (f"was not loadable within sampler.version_wait_s = {self.config.sampler.version_wait_s:g} s "
-                           f"(is the trainer publishing into {self.policy_dir}? see its log and this sampler's refusals)")
+                           f"(is the trainer publishing into {self.policy_dir or self.config.topics.weights}? see its log "
+                           "and this sampler's refusals)")
                 break
             self.broker_watch.check()
             self.policy_follower.poll(0.1)  # blocks briefly until an announcement arrives
@@ -354,7 +367,7 @@ class Sampler:
         if (announcement is not None and announcement.policy_version > self.policy_version
                 and announcement is not self.pending):
             try:
-                self._weights_path(announcement)
+                self.weights_source.check(announcement, self.config.sampler.max_weights_bytes)
                 self.pending = announcement
             except WeightsMismatch as err:
                 self._refuse(announcement, err)
@@ -373,9 +386,10 @@ class Sampler:
     def _load(self, announcement: PolicyAnnouncement) -> bool:
         """Bring the policy to `announcement`'s version with its file (whole, or a delta in place); whether it did."""
         started = time.perf_counter()
+        max_bytes = self.config.sampler.max_weights_bytes
         try:
-            self.weight_sync.apply(announcement, self._weights_path(announcement),
-                                   max_bytes=self.config.sampler.max_weights_bytes)
+            with self.weights_source.opened(announcement, max_bytes) as path:
+                self.weight_sync.apply(announcement, path, max_bytes=max_bytes)
         except Resync as err:  # not refused: offered again, after the snapshot it now needs
             record_announcement_refused(err.reason)
             self.counters["refused"] += 1
@@ -411,13 +425,6 @@ class Sampler:
             log.warning("%s caught up: v%d, %d behind the newest announced", self.sampler_id, self.policy_version,
                         behind)
         self.behind = behind > limit
-
-    def _weights_path(self, announcement: PolicyAnnouncement) -> Path:
-        if self.policy_dir is None:
-            raise WeightsMismatch("no policy folder is configured (sampler.policy_dir, or `sao sampler --run-dir`), "
-                                  "so no announced file can be trusted", "no-policy-dir")
-        return announced_weights_path(announcement.weights_path, announcement.policy_version, self.policy_dir,
-                                      delta=announcement.kind == "delta")
 
     def _refuse(self, announcement: PolicyAnnouncement, err: OSError | WeightsMismatch) -> None:
         """Skip an announcement: its file unreadable or unsafe (for good), or not there (tried again later: not

@@ -60,6 +60,7 @@ from sao.trainer.training_step import StepOutcome, train_step
 from sao.trainer.validation import TrajectoryValidator
 from sao.transport.announcements import latest_announced_version, read_announce_key
 from sao.transport.health import BrokerGone
+from sao.transport.weights import WeightsSender
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Trainer:
         resolved = config.trainer.model_copy(update={"turn_credit": turn_credit(config)})
         self.config = config = config.model_copy(update={"trainer": resolved})
         self.run_dir = RunDir(run_dir)
+        self.bootstrap = bootstrap
         # Shadow validation (sao/trainer/shadow_validation.py). Its scorer loads its model while this process
         # builds the engine, not after (RANK: torch.distributed is not up yet).
         self.shadow = self._start_shadow_validation(os.environ.get("RANK", "0") == "0", resume) \
@@ -153,9 +155,13 @@ class Trainer:
 
     def _policy_publisher(self) -> PolicyPublisher:
         cfg = self.config.trainer
-        publisher = PolicyPublisher(self.io.producer if self.io is not None else None, self.config.topics.policy,
-                                    self.run_dir, cfg.keep_versions, cfg.publish_dtype, cfg.publish_deltas,
-                                    cfg.snapshot_every)
+        producer = self.io.producer if self.io is not None else None
+        weights = None
+        if self.config.policy.transport == "kafka" and producer is not None:
+            weights = WeightsSender(producer, self.bootstrap, self.config.topics.weights, self.config.policy.chunk_bytes,
+                                    chain_length=cfg.snapshot_every if cfg.publish_deltas else 1)
+        publisher = PolicyPublisher(producer, self.config.topics.policy, self.run_dir, cfg.keep_versions,
+                                    cfg.publish_dtype, cfg.publish_deltas, cfg.snapshot_every, weights)
         if self.shadow is not None:
             publisher.pinned = self.shadow.pinned
         return publisher

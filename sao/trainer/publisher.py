@@ -1,7 +1,9 @@
 """Publish policy versions: gather ZeRO-3 weights, write safetensors + sha256, announce on Kafka.
 
-Weights go to a directory every sampler can read (local disk for `sao run`, a shared volume or
-mount in a cluster); only the small announcement travels through Kafka. Each version is written
+Weights go to the trainer's policy folder. With `policy.transport = "folder"` samplers read them
+there (local disk for `sao run`, a shared volume or mount in a cluster) and only the small
+announcement travels through Kafka; with "kafka" each file also travels in chunks on the weights
+topic (sao/transport/weights.py) before its announcement, which names where. Each version is written
 whole in `trainer.publish_dtype`, or with `trainer.publish_deltas` as a sparse delta on the
 version before (sao/policy/deltas.py) with a whole snapshot every `trainer.snapshot_every`
 versions and first in each trainer's life. A delta is always against what this publisher last
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -26,14 +29,16 @@ from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
 from sao.trainer.engine import gather_full_state
 from sao.transport.announcements import announce, ensure_announce_key, sign
+from sao.transport.weights import WeightsSender
 
 log = logging.getLogger(__name__)
 
 
 class PolicyPublisher:
     def __init__(self, producer, topic: str, run_dir: RunDir, keep_versions: int, publish_dtype: str = "fp32",
-                 deltas: bool = False, snapshot_every: int = 1):
+                 deltas: bool = False, snapshot_every: int = 1, weights: WeightsSender | None = None):
         self.producer = producer
+        self.weights = weights  # policy.transport = "kafka": every file travels in chunks before its announcement
         self.topic = topic
         self.run_dir = run_dir
         self.keep_versions = keep_versions
@@ -73,6 +78,10 @@ class PolicyPublisher:
         published = cast_state(state, self.dtype)
         facts = self._write(published, version)
         path = self.run_dir.weights_delta(version) if facts.get("kind") == "delta" else self.run_dir.weights(version)
+        if self.weights is not None:
+            started = time.perf_counter()
+            facts["chunks"] = self.weights.send(path, version, facts["sha256"])
+            metrics.record_weights_sent(time.perf_counter() - started)
         announcement = PolicyAnnouncement(policy_version=version, weights_path=str(path.resolve()),
                                           num_bytes=path.stat().st_size, trainer_step=trainer_step, **facts)
         announcement = sign(announcement, self.key)

@@ -1,6 +1,7 @@
 """The policy topic, both ends: the trainer announces a version, samplers follow the newest.
 
-Only the small announcement travels through Kafka; the weights it names stay on a shared disk. A
+The announcement names the weights: a file in the trainer's policy folder, or (policy.transport =
+"kafka") chunks on the weights topic (sao/transport/weights.py), sent before it. A
 version may be a delta on an earlier one: the follower remembers the announcements it read, so a
 sampler can walk a delta's chain back to its snapshot.
 Following never blocks a rollout. Announcements are untrusted input: a version that is negative,
@@ -11,7 +12,8 @@ the early ones), so only the sign and the ceiling apply to it.
 
 Anyone who can write to the topic can announce, so announcements carry proof of their author: an
 HMAC-SHA256 under a per-run key that the trainer keeps beside its weights (RUN_DIR/policy/.announce-key,
-mode 0600), where only whoever can read the weights can read it. A follower given the key ignores, and
+mode 0600), where only whoever can read the weights can read it; a sampler without the folder is given a
+copy (sampler.announce_key_file). A follower given the key ignores, and
 counts, every announcement without a valid signature. A version refused because its file is not there
 (yet) is offered again later, and a new announcement of a refused version is a new candidate: no number
 of announcements can make a follower pass over a real version for good.
@@ -74,11 +76,14 @@ def ensure_announce_key(policy_dir: Path) -> bytes:
 
 
 def read_announce_key(policy_dir: Path | str | None) -> bytes | None:
-    """The run's announcement key, or None while there is none (or it is not readable)."""
-    if policy_dir is None:
-        return None
+    """The run's announcement key in `policy_dir`, or None while there is none (or it is not readable)."""
+    return None if policy_dir is None else read_announce_key_file(Path(policy_dir) / ANNOUNCE_KEY_NAME)
+
+
+def read_announce_key_file(path: Path) -> bytes | None:
+    """The announcement key in the file at `path` (the trainer's .announce-key or a copy), None while not usable."""
     try:
-        text = (Path(policy_dir) / ANNOUNCE_KEY_NAME).read_text().strip()
+        text = path.read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
     return text.encode() if len(text) == 2 * _KEY_BYTES else None
@@ -183,7 +188,7 @@ class PolicyFollower:
         record_announcement_refused(reason)
         if self.ignored <= _LOG_FIRST or self.ignored % _LOG_EVERY == 0:
             detail = ("no announcement key to check it with (is the trainer's policy folder, with its .announce-key, "
-                      "readable here?)" if reason == "no-key" else reason)
+                      "readable here, or sampler.announce_key_file set?)" if reason == "no-key" else reason)
             log.warning("ignoring policy announcement v%d at offset %s: %s (%d ignored so far)",
                         announcement.policy_version, offset, detail, self.ignored)
         return False
@@ -240,8 +245,10 @@ class PolicyFollower:
 
 
 def _claim(announcement: PolicyAnnouncement) -> tuple:
-    """What an announcement says about a file: the same claim announced again is refused again, unread."""
-    return announcement.policy_version, announcement.weights_path, announcement.sha256, announcement.num_bytes
+    """What an announcement says about a file (and where its chunks are): the same claim announced again is refused
+    again, unread."""
+    return (announcement.policy_version, announcement.weights_path, announcement.sha256, announcement.num_bytes,
+            announcement.chunks)
 
 
 def latest_announced_version(bootstrap: str, topic: str, max_version_jump: int = DEFAULT_MAX_VERSION_JUMP,
