@@ -28,6 +28,9 @@ _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16"}
 _GAPS, _VALUES = "/gaps", "/values"
 _VARINT_MAX_BYTES = 5  # 35 bits: far beyond any tensor's length
+# A delta larger than this share of a whole file is published whole instead (sao/trainer/publisher.py): past it
+# the delta saves little, and coding and applying its positions costs more than writing and loading every value.
+DELTA_MAX_SNAPSHOT_SHARE = 0.5
 
 
 def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -49,18 +52,31 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def encode_delta(base: dict[str, torch.Tensor], result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors of the delta file that turns `base` into `result` (same names, shapes, dtypes)."""
-    tensors = {}
+def encode_delta(base: dict[str, torch.Tensor], result: dict[str, torch.Tensor], max_bytes: float = float("inf")
+                 ) -> dict[str, torch.Tensor] | None:
+    """The tensors of the delta file that turns `base` into `result` (same names, shapes, dtypes), or None as soon
+    as they would hold more than `max_bytes` (each change costs its value and at least a byte of position)."""
+    changed_masks = {}
+    size = 0
     for name in sorted(result):
-        new = result[name].reshape(-1)
-        changed = torch.nonzero(new.view(_BITS[new.dtype]) != base[name].reshape(-1).view(_BITS[new.dtype]))
-        if changed.numel() == 0:
+        bits = _BITS[result[name].dtype]
+        changed_masks[name] = result[name].reshape(-1).view(bits) != base[name].reshape(-1).view(bits)
+        size += int(changed_masks[name].sum()) * (result[name].element_size() + 1)
+        if size > max_bytes:
+            return None
+    tensors = {}
+    for name, changed in changed_masks.items():
+        positions = torch.nonzero(changed).reshape(-1)
+        if positions.numel() == 0:
             continue
-        positions = changed.reshape(-1)
         tensors[name + _GAPS] = torch.from_numpy(encode_gaps(positions.numpy()))
-        tensors[name + _VALUES] = new[positions].clone()
+        tensors[name + _VALUES] = result[name].reshape(-1)[positions].clone()
     return tensors
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The bytes of `tensors`' values (a file of them is this plus its header)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
 
 def write_delta(base: dict[str, torch.Tensor], result: dict[str, torch.Tensor], path: Path) -> str:

@@ -6,7 +6,8 @@ announcement travels through Kafka; with "kafka" each file also travels in chunk
 topic (sao/transport/weights.py) before its announcement, which names where. Each version is written
 whole in `trainer.publish_dtype`, or with `trainer.publish_deltas` as a sparse delta on the
 version before (sao/policy/deltas.py) with a whole snapshot every `trainer.snapshot_every`
-versions and first in each trainer's life. A delta is always against what this publisher last
+versions, first in each trainer's life, and whenever the delta would be over half a whole
+file. A delta is always against what this publisher last
 published, so a version republished after a rollback chains like any other. The last
 `keep_versions` versions are kept, with the files their deltas rest on, so a lagging sampler can
 still load the one it was told about.
@@ -23,7 +24,14 @@ import torch
 
 from sao import metrics
 from sao.policy.chain import chain_versions
-from sao.policy.deltas import PUBLISH_DTYPES, cast_state, state_sha256, write_delta
+from sao.policy.deltas import (
+    DELTA_MAX_SNAPSHOT_SHARE,
+    PUBLISH_DTYPES,
+    cast_state,
+    encode_delta,
+    state_sha256,
+    tensor_bytes,
+)
 from sao.policy.weights import write_weights
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
@@ -36,7 +44,8 @@ log = logging.getLogger(__name__)
 
 class PolicyPublisher:
     def __init__(self, producer, topic: str, run_dir: RunDir, keep_versions: int, publish_dtype: str = "fp32",
-                 deltas: bool = False, snapshot_every: int = 1, weights: WeightsSender | None = None):
+                 deltas: bool = False, snapshot_every: int = 1, weights: WeightsSender | None = None,
+                 max_delta_share: float = DELTA_MAX_SNAPSHOT_SHARE):
         self.producer = producer
         self.weights = weights  # policy.transport = "kafka": every file travels in chunks before its announcement
         self.topic = topic
@@ -45,6 +54,7 @@ class PolicyPublisher:
         self.dtype = PUBLISH_DTYPES[publish_dtype]
         self.deltas = deltas
         self.snapshot_every = snapshot_every
+        self.max_delta_share = max_delta_share
         # The last published state (publish dtype), its version, hash, and the version of the snapshot it rests on.
         self.previous: dict[str, torch.Tensor] | None = None
         self.previous_version = self.previous_sha256 = self.snapshot_version = None
@@ -74,7 +84,8 @@ class PolicyPublisher:
         return announcement
 
     def write_version(self, state: dict[str, torch.Tensor], version: int, trainer_step: int) -> PolicyAnnouncement:
-        """Write `version`'s file (whole or a delta) and its sidecar; its signed announcement, not yet sent."""
+        """Write `version`'s file (whole or a delta) and its sidecar, and with the Kafka transport send the file's
+        chunks; the signed announcement, not yet sent."""
         published = cast_state(state, self.dtype)
         facts = self._write(published, version)
         path = self.run_dir.weights_delta(version) if facts.get("kind") == "delta" else self.run_dir.weights(version)
@@ -94,12 +105,15 @@ class PolicyPublisher:
         if not self.deltas:
             return {"sha256": write_weights(published, self.run_dir.weights(version))}
         result_sha256 = state_sha256(published)
-        snapshot_due = self.previous is None or version - self.snapshot_version >= self.snapshot_every
-        if snapshot_due:
+        delta = None
+        if self.previous is not None and version - self.snapshot_version < self.snapshot_every:
+            # None when most values changed: a whole file is then as small and cheaper to write and apply.
+            delta = encode_delta(self.previous, published, max_bytes=self.max_delta_share * tensor_bytes(published))
+        if delta is None:
             facts = {"sha256": write_weights(published, self.run_dir.weights(version)), "state_sha256": result_sha256}
             self.snapshot_version = version
         else:
-            facts = {"sha256": write_delta(self.previous, published, self.run_dir.weights_delta(version)),
+            facts = {"sha256": write_weights(delta, self.run_dir.weights_delta(version)),
                      "kind": "delta", "base_version": self.previous_version, "base_sha256": self.previous_sha256,
                      "state_sha256": result_sha256}
         self.previous, self.previous_version, self.previous_sha256 = published, version, result_sha256

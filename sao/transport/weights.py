@@ -23,6 +23,7 @@ from pathlib import Path
 
 from confluent_kafka import KafkaError, TopicPartition
 
+from sao.policy.deltas import DELTA_MAX_SNAPSHOT_SHARE
 from sao.schema import ChunkRange, PolicyAnnouncement, SchemaError, WeightsChunk, decode, encode
 from sao.transport.kafka import (
     MAX_MESSAGE_BYTES,
@@ -41,9 +42,9 @@ _IN_FLIGHT_CHUNKS = 8
 _SEND_TIMEOUT_S = 120.0
 # What the reader's consumer queues ahead of the fetch (librdkafka's queued.max.messages.kbytes).
 _QUEUED_KBYTES = 32 * 1024
-# A delta changes at most every value, a byte of position code and the value each (sao/policy/deltas.py): at most
-# 1.5 snapshots in bf16, 1.25 in fp32. Retention is sized on that worst case.
-_WORST_DELTA_PER_SNAPSHOT = 1.5
+# The trainer publishes a delta only while it is at most this share of a whole file (else the file is whole):
+# retention is sized on that worst case.
+_WORST_DELTA_PER_SNAPSHOT = DELTA_MAX_SNAPSHOT_SHARE
 _MAX_SEGMENT_BYTES = 1 << 30
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from sao.policy.chain import chain_versions, read_version_into
-from sao.policy.deltas import PUBLISH_DTYPES, decode_gaps, encode_gaps
+from sao.policy.deltas import DELTA_MAX_SNAPSHOT_SHARE, PUBLISH_DTYPES, decode_gaps, encode_gaps
 from sao.policy.weights import build_policy, unique_state_dict
 from sao.run_dir import RunDir
 from sao.sampler.weight_sync import WeightSync
@@ -46,11 +46,13 @@ def _adam_steps(policy, count: int, lr: float = 3e-5):
         yield unique_state_dict(policy.state_dict())
 
 
-def _publisher(tmp_path: Path, monkeypatch, dtype: str, snapshot_every: int, keep: int = 100):
+def _publisher(tmp_path: Path, monkeypatch, dtype: str, snapshot_every: int, keep: int = 100,
+               max_delta_share: float = float("inf")):
+    """A publisher of deltas; by default one that never falls back to a whole file, so a chain is what it is told."""
     announced = []
     monkeypatch.setattr(publisher_module, "announce", lambda _producer, _topic, a: announced.append(a))
     publisher = PolicyPublisher(None, "policy", RunDir(tmp_path), keep, dtype, deltas=True,
-                                snapshot_every=snapshot_every)
+                                snapshot_every=snapshot_every, max_delta_share=max_delta_share)
     return publisher, announced
 
 
@@ -151,3 +153,19 @@ def test_the_best_link_names_a_whole_file_even_when_the_best_version_is_a_delta(
     assert run_dir.best_exports() == []
     link_best(run_dir, 0)  # the base model: no link
     assert not run_dir.best_weights.is_symlink()
+
+
+def test_a_step_that_changes_most_values_is_published_whole(tiny_config, tmp_path, monkeypatch):
+    publisher, announced = _publisher(tmp_path, monkeypatch, "bf16", snapshot_every=10,
+                                      max_delta_share=DELTA_MAX_SNAPSHOT_SHARE)
+    sampler_side = WeightSync(_policy(tiny_config))
+    small, large = 1e-5, 1e-2  # a quarter of a bf16 ulp of the tiny model's weights; then many ulps
+    steps = _adam_steps(_policy(tiny_config), 3, lr=small)
+    states = [next(steps), next(steps)]
+    states.append({name: tensor + large for name, tensor in states[-1].items()})  # every value moves
+    for version, state in enumerate(states, start=1):
+        announcement = publisher.publish_state(state, version, version)
+        sampler_side.apply(announcement, Path(announcement.weights_path))
+    assert [a.kind for a in announced] == ["snapshot", "delta", "snapshot"]
+    expected = {name: tensor.bfloat16() for name, tensor in states[-1].items()}
+    assert all(torch.equal(_bits(sampler_side.held[name]), _bits(tensor)) for name, tensor in expected.items())

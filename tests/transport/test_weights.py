@@ -59,8 +59,8 @@ def test_the_weights_topic_is_created_with_a_size_bound_sized_from_the_first_sna
     settings = {name: entry.value for name, entry in future.result().items()}
     wanted = weights_topic_config(2 * CHUNK, chain_length=4, chunk_bytes=CHUNK)
     assert {name: settings.get(name) for name in wanted} == wanted
-    # Two chains at their largest (a snapshot and three deltas each at most 1.5 snapshots) and a segment.
-    assert int(wanted["retention.bytes"]) == 2 * (2 * CHUNK * 5.5) + 4 * CHUNK and wanted["retention.ms"] == "-1"
+    # Two chains at their largest (a snapshot and three deltas, each at most half a snapshot) and a segment.
+    assert int(wanted["retention.bytes"]) == 2 * (2 * CHUNK * 2.5) + 4 * CHUNK and wanted["retention.ms"] == "-1"
 
 
 def test_chunks_that_are_not_there_leave_the_version_not_ready(link, tmp_path, kafka_bootstrap):
