@@ -341,14 +341,17 @@ class TrainerConfig(Section):
         3, ge=1, description="Published versions kept on disk (shadow models for sao eval), with the files their "
                              "deltas rest on: the snapshot before each kept version and the deltas between.")
     publish_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="The dtype of published weights (fp32 by default). bf16 halves a snapshot, and between "
-                            "two versions far fewer bf16 values change than fp32 ones, which is what publish_deltas "
-                            "sends; a sampler in fp32 then samples with the bf16-rounded weights.")
+        "bf16", description="The dtype of published weights. bf16 halves a whole file, and between two versions far "
+                            "fewer bf16 values change than fp32 ones, which is what publish_deltas sends. A GPU "
+                            "sampler computes in bf16 anyway; a CPU sampler computes in fp32 with the bf16-rounded "
+                            "weights, a behaviour/target mismatch the importance ratio corrects (trainer.* keeps fp32 "
+                            "master weights). fp32 publishes the trainer's weights exactly.")
     publish_deltas: bool = Field(
-        False, description="Publish each version as a sparse delta on the one before (the positions whose bits "
-                           "changed, and their new values) instead of whole; a sampler applies it in place once "
-                           "the sha256 of what it holds matches the delta's base, else re-syncs from the newest "
-                           "snapshot. See docs/design.md, 'Where weights travel'.")
+        True, description="Publish each version as a sparse delta on the one before (the positions whose bits "
+                          "changed, and their new values) instead of whole, unless the delta would be over half a "
+                          "whole file; a sampler applies it in place once the sha256 of what it holds matches the "
+                          "delta's base, else re-syncs from the newest snapshot. See docs/design.md, 'Where "
+                          "weights travel'.")
     snapshot_every: int = Field(
         10, ge=1, le=100, description="With publish_deltas: publish a whole snapshot every this many versions (and the "
                                       "first version a trainer publishes), so a sampler that joins or loses the chain "
