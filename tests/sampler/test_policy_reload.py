@@ -24,6 +24,7 @@ from sao.transport import announcements
 from sao.transport.announcements import PolicyFollower, ensure_announce_key, read_announce_key, sign
 from sao.transport.kafka import deliver_and_wait, make_producer
 from sao.transport.topics import ensure_topics
+from support.policy_topic import wait_until_read
 
 HUGE = 2**64 - 1
 
@@ -78,12 +79,7 @@ class Reload:
         self._wait_until_read()
 
     def _wait_until_read(self) -> None:
-        follower = self.sampler.policy_follower
-        for _ in range(100):
-            if follower.messages_read >= self.sent:
-                break
-            follower.poll(0.2)
-        assert follower.messages_read == self.sent
+        wait_until_read(self.sampler.policy_follower, self.sent)
 
     def restart(self) -> None:
         """A new life of the sampler: version 0, a new follower that reads the whole topic again."""

@@ -24,6 +24,7 @@ from sao.transport.announcements import PolicyFollower, read_announce_key_file, 
 from sao.transport.kafka import deliver_and_wait, make_producer
 from sao.transport.topics import ensure_topics
 from sao.transport.weights import WeightsSender
+from support.policy_topic import wait_until_read
 
 CHUNK = 1 << 20  # the tiny policy's bf16 snapshot (~6 MB) takes several
 
@@ -100,12 +101,7 @@ class KafkaRun:
 
     def settle(self) -> int:
         """Let the sampler read every announcement and handle what is on offer (no episode live); its version."""
-        follower = self.sampler.policy_follower
-        for _ in range(100):
-            if follower.messages_read >= self.sent:
-                break
-            follower.poll(0.2)
-        assert follower.messages_read == self.sent
+        wait_until_read(self.sampler.policy_follower, self.sent)
         for _ in range(10):
             self.sampler._follow_policy(reload_now=True)
         return self.sampler.policy_version
