@@ -367,8 +367,8 @@ def _heldout_sentence(summary: dict[str, Any]) -> str:
                 "failed): the sampled rewards below are all there is.")
     text = (f"On {n} held-out tasks never trained on, greedy first-try success went from {_fmt(base)} (base model) "
             f"to {_fmt(final)} (final version): a paired gain of {_fmt(gain)} ± {_fmt(stderr)} (s.e. over tasks)")
-    if not stderr:
-        return text + "."
+    if not stderr:  # the same answer to every task from both
+        return text + "." + _kept_sentence(summary)
     ratio = gain / stderr
     verdict = ("beyond two, so unlikely to come from the choice of tasks alone" if abs(ratio) > 2
                else "within two, so not distinguishable from no change on these tasks")

@@ -133,3 +133,12 @@ def test_summary_without_accounting_files_leaves_the_figures_empty(tmp_path):
     summary = build_summary(SaoConfig(), tmp_path, duration_s=50.0)
     assert summary["cpu_utilisation"] is None and summary["trainer_idle_ratio"] is None
     assert summary["cpu_cores_busy"]["total"] is None
+
+
+def test_the_report_names_the_kept_version_even_when_base_and_final_answer_alike(tmp_path):
+    summary = _synthetic_run(tmp_path)
+    summary.update(heldout_final=0.375, heldout_gain=0.0, heldout_gain_stderr=0.0,  # every answer the same
+                   shadow_best={"version": 4, "success": 0.5, "n": 16}, kept_version=4, heldout_kept=0.5,
+                   heldout_kept_gain=0.125, heldout_kept_gain_stderr=0.05)
+    text = write_report(tmp_path, summary).read_text()
+    assert "Shadow validation kept v4" in text and "a paired gain of 0.125" in text

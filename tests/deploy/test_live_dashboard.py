@@ -88,6 +88,9 @@ def test_every_dashboard_query_has_data_from_a_live_run(deploy_dir, metric_names
                    "--run-dir", str(tmp_path / "run"), "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=8",
                    "--set", "trainer.checkpoint_every=1", "--set", "run.heldout_eval=false",
                    "--set", "trainer.shadow_every=1", "--set", "trainer.shadow_tasks=2", "--set", "run.timeout_s=400",
+                   # Weights through the weights topic: the Kafka panel has data too (the folder path has none of
+                   # its own), and a small step keeps versions sparse deltas.
+                   "--set", "policy.transport=\"kafka\"", "--set", "trainer.learning_rate=2e-6",
                    "--set", f"metrics.launcher_port={launcher_port}", "--set", f"metrics.trainer_port={trainer_port}",
                    "--set", f"metrics.sampler_port={sampler_port}"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=500, env=shadow_on())
