@@ -2,6 +2,14 @@
 
     python benchmarks/sampler_throughput.py [--tasks 16] [--batch 4] [--model smollm2-135m-instruct] [--json PATH]
                                             [--set section.knob=value ...]
+    python benchmarks/sampler_throughput.py --engines [--tasks 32] [--batch 32] [--rounds 3] [--json PATH]
+
+With --engines: the generation engines compared instead (sampler.engine = hf and vllm), --rounds
+rounds alternated, each round of each engine in a fresh process: start-up (the roller's build, the
+vLLM engine's included) and the RSS it added; one plain generation of the same prompts (the first
+contexts of --tasks tasks, exactly --gen-tokens tokens each with no stop rule, all at once); then rollouts of those tasks
+at --batch slots. Prints tokens/s, trajectories/s and CPU seconds per wall second (the threads each
+engine really used), and vllm / hf per round and overall.
 
 Part 1, in this process: the same tasks rolled out one at a time (rollout_batch 1), in lockstep
 batches of --batch (each batch runs to its end), and with continuous batching (--batch slots,
@@ -20,6 +28,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -61,6 +70,101 @@ def measure(roller, tasks, batch: int, mode=continuous) -> dict:
             "mean_reward": sum(t.total_reward for t in trajectories) / len(trajectories)}
 
 
+def _rss_gib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _engine_round(engine: str, model: str, num_tasks: int, batch: int, gen_tokens: int, overrides: list[str],
+                  results) -> None:
+    """One round of one engine in a fresh process (an engine's libraries never share a process with the
+    other's): start-up and RSS added, then plain generation of the tasks' first contexts, then rollouts."""
+    import torch
+
+    from sao.envs.registry import make_tasks
+    from sao.policy.sampling import StopRule
+
+    rss, started = _rss_gib(), time.perf_counter()
+    roller, config = _roller(model, seed=0, overrides=[*overrides, f'sampler.engine="{engine}"'])
+    startup_s, rss_added = time.perf_counter() - started, _rss_gib() - rss
+    tasks = make_tasks(config.env, num_tasks)
+    contexts = [roller.start(task, 0).next_input() for task in tasks]
+    generation = roller.generation
+    cpu, started = _cpu_s(), time.perf_counter()
+    # No stop rule: every row generates exactly gen_tokens, so both engines do the same work.
+    samples = (roller.engine or roller.policy).sample_batch(contexts, gen_tokens, generation.temperature,
+                                                            StopRule(frozenset()), torch.Generator().manual_seed(0),
+                                                            top_p=generation.top_p)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(action) for action, _ in samples)
+    generate = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "cpu_per_wall": (_cpu_s() - cpu) / seconds}
+    cpu = _cpu_s()
+    rollout = measure(roller, tasks, batch)
+    rollout["cpu_per_wall"] = (_cpu_s() - cpu) / rollout["seconds"]
+    results.put({"startup_s": startup_s, "rss_added_gib": rss_added, "generate": generate, "rollout": rollout})
+
+
+def compare_engines(model: str, num_tasks: int, batch: int, rounds: int, gen_tokens: int,
+                    overrides: list[str]) -> dict:
+    """hf vs vllm, rounds alternated, each round of each engine in its own process."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    engines = {"hf": [], "vllm": []}
+    for _ in range(rounds):
+        for engine, arm in engines.items():
+            worker = context.Process(target=_engine_round,
+                                     args=(engine, model, num_tasks, batch, gen_tokens, overrides, results))
+            worker.start()
+            arm.append(results.get())
+            worker.join()
+    summary = {}
+    for engine, arm in engines.items():
+        summary[engine] = {"rounds": arm, **{
+            f"{part}_tokens_per_s": sum(r[part]["tokens"] for r in arm) / sum(r[part]["seconds"] for r in arm)
+            for part in ("generate", "rollout")},
+            "rollout_trajectories_per_s": (sum(r["rollout"]["trajectories"] for r in arm)
+                                           / sum(r["rollout"]["seconds"] for r in arm))}
+    return summary
+
+
+def print_engines(console, engines: dict, model: str, num_tasks: int, batch: int, gen_tokens: int) -> dict:
+    from rich.table import Table
+
+    table = Table(title=f"engines, {model}, {num_tasks} tasks: generation of their first contexts "
+                        f"({gen_tokens} tokens each), then rollouts at rollout_batch {batch}; rounds alternated")
+    for column in ("engine", "round", "start-up s", "RSS added GiB", "generate tok/s", "cpu/wall",
+                   "rollout tok/s", "rollout traj/s", "cpu/wall", "mean reward"):
+        table.add_column(column, justify="right")
+    for engine, arm in engines.items():
+        for index, r in enumerate(arm["rounds"]):
+            g, o = r["generate"], r["rollout"]
+            table.add_row(engine, str(index), f"{r['startup_s']:.1f}", f"{r['rss_added_gib']:.2f}",
+                          f"{g['tokens_per_s']:.1f}", f"{g['cpu_per_wall']:.2f}", f"{o['tokens_per_s']:.1f}",
+                          f"{o['trajectories_per_s']:.3f}", f"{o['cpu_per_wall']:.2f}", f"{o['mean_reward']:.3f}")
+        table.add_row(engine, "all", "", "", f"{arm['generate_tokens_per_s']:.1f}", "",
+                      f"{arm['rollout_tokens_per_s']:.1f}", f"{arm['rollout_trajectories_per_s']:.3f}", "", "",
+                      end_section=True)
+    console.print(table)
+    hf, vllm = engines["hf"], engines["vllm"]
+    ratios = {part: vllm[f"{part}_tokens_per_s"] / hf[f"{part}_tokens_per_s"] for part in ("generate", "rollout")}
+    per_round = [v["generate"]["tokens_per_s"] / h["generate"]["tokens_per_s"]
+                 for h, v in zip(hf["rounds"], vllm["rounds"])]
+    console.print(f"vllm / hf, generation tokens/s: {ratios['generate']:.2f}x "
+                  f"(per round {', '.join(f'{r:.2f}' for r in per_round)}); rollout tokens/s {ratios['rollout']:.2f}x, "
+                  f"trajectories/s {vllm['rollout_trajectories_per_s'] / hf['rollout_trajectories_per_s']:.2f}x "
+                  "(start-up not included in either)")
+    return {"headline": {"metric": "generated tokens per second, vllm vs hf engine, same prompts", "unit": "tokens/s",
+                         "value": vllm["generate_tokens_per_s"], "baseline": hf["generate_tokens_per_s"],
+                         "ratio": ratios["generate"]},
+            "rollout_ratio": ratios["rollout"], "per_round_ratio": per_round, "engines": engines}
+
+
 def _sampler_process(index: int, model: str, num_tasks: int, batch: int, overrides: list[str], barrier,
                      results) -> None:
     from sao.envs.registry import make_tasks
@@ -96,6 +200,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KNOB=VALUE",
                         help="config override for every sampler, e.g. policy.max_new_tokens=8 (repeatable)")
+    parser.add_argument("--engines", action="store_true", help="compare sampler.engine hf and vllm instead")
+    parser.add_argument("--rounds", type=int, default=3, help="--engines: alternated rounds per engine")
+    parser.add_argument("--gen-tokens", type=int, default=128, help="--engines: tokens per plain generation")
     args = parser.parse_args()
 
     from rich.console import Console
@@ -104,6 +211,14 @@ def main() -> None:
     from sao.envs.registry import make_tasks
 
     console = Console()
+    if args.engines:
+        engines = compare_engines(args.model, args.tasks, args.batch, args.rounds, args.gen_tokens, args.overrides)
+        result = print_engines(console, engines, args.model, args.tasks, args.batch, args.gen_tokens)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({**result, "model": args.model, "tasks": args.tasks, "batch": args.batch,
+                                             "overrides": args.overrides, "cores": os.cpu_count()}, indent=2))
+        return
     roller, config = _roller(args.model, seed=0, overrides=args.overrides)
     tasks = make_tasks(config.env, args.tasks)
     in_process = [measure(roller, tasks, 1), measure(roller, tasks, args.batch, lockstep),

@@ -41,3 +41,26 @@ def test_every_mode_rolls_out_every_task_and_the_headline_is_consistent(tmp_path
         assert all(r["trajectories"] == 2 for r in run["per_process"])
     one, two = scaling["runs"]
     assert scaling["ratio"] == pytest.approx(two["total_trajectories_per_s"] / one["total_trajectories_per_s"])
+
+
+@pytest.mark.slow
+def test_engine_comparison_generates_the_same_work_in_both_and_reports_the_ratio(tmp_path):
+    from support.vllm_required import require_vllm
+
+    require_vllm()
+    out = tmp_path / "engines.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--engines", "--tasks", "2", "--batch", "2", "--rounds", "1",
+                    "--gen-tokens", "5", "--set", "policy.max_new_tokens=6", "--json", str(out)],
+                   check=True, timeout=1800)
+    result = json.loads(out.read_text())
+    headline, engines = result["headline"], result["engines"]
+    assert headline["unit"] == "tokens/s" and set(engines) == {"hf", "vllm"}
+    assert headline["ratio"] == pytest.approx(headline["value"] / headline["baseline"])
+    assert (headline["value"], headline["baseline"]) == (engines["vllm"]["generate_tokens_per_s"],
+                                                         engines["hf"]["generate_tokens_per_s"])
+    for arm in engines.values():
+        [round_] = arm["rounds"]
+        # No stop rule in the plain generation: both engines generate exactly 2 x 5 tokens.
+        assert round_["generate"]["tokens"] == 2 * 5
+        assert round_["rollout"]["trajectories"] == 2 and 0 < round_["rollout"]["tokens"] <= 2 * 6 * 4
+        assert round_["startup_s"] > 0
