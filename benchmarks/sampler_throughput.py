@@ -29,7 +29,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -76,11 +75,6 @@ def _rss_gib() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _engine_round(engine: str, model: str, num_tasks: int, batch: int, gen_tokens: int, overrides: list[str],
                   results) -> None:
     """One round of one engine in a fresh process (an engine's libraries never share a process with the
@@ -89,6 +83,7 @@ def _engine_round(engine: str, model: str, num_tasks: int, batch: int, gen_token
 
     from sao.envs.registry import make_tasks
     from sao.policy.sampling import StopRule
+    from sao.status import own_cpu_seconds
 
     rss, started = _rss_gib(), time.perf_counter()
     roller, config = _roller(model, seed=0, overrides=[*overrides, f'sampler.engine="{engine}"'])
@@ -96,7 +91,7 @@ def _engine_round(engine: str, model: str, num_tasks: int, batch: int, gen_token
     tasks = make_tasks(config.env, num_tasks)
     contexts = [roller.start(task, 0).next_input() for task in tasks]
     generation = roller.generation
-    cpu, started = _cpu_s(), time.perf_counter()
+    cpu, started = own_cpu_seconds(), time.perf_counter()
     # No stop rule: every row generates exactly gen_tokens, so both engines do the same work.
     samples = (roller.engine or roller.policy).sample_batch(contexts, gen_tokens, generation.temperature,
                                                             StopRule(frozenset()), torch.Generator().manual_seed(0),
@@ -104,10 +99,10 @@ def _engine_round(engine: str, model: str, num_tasks: int, batch: int, gen_token
     seconds = time.perf_counter() - started
     tokens = sum(len(action) for action, _ in samples)
     generate = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "cpu_per_wall": (_cpu_s() - cpu) / seconds}
-    cpu = _cpu_s()
+                "cpu_per_wall": (own_cpu_seconds() - cpu) / seconds}
+    cpu = own_cpu_seconds()
     rollout = measure(roller, tasks, batch)
-    rollout["cpu_per_wall"] = (_cpu_s() - cpu) / rollout["seconds"]
+    rollout["cpu_per_wall"] = (own_cpu_seconds() - cpu) / rollout["seconds"]
     results.put({"startup_s": startup_s, "rss_added_gib": rss_added, "generate": generate, "rollout": rollout})
 
 

@@ -78,8 +78,8 @@ class VllmEngine:
         from vllm import LLM
 
         self.policy = policy
-        self.vocab_size = policy.lm.get_input_embeddings().num_embeddings
-        self.probe = [(7919 * i + 13) % self.vocab_size for i in range(PROBE_TOKENS)]
+        vocab_size = policy.lm.get_input_embeddings().num_embeddings
+        self.probe = [(7919 * i + 13) % vocab_size for i in range(PROBE_TOKENS)]
         parameter = next(policy.lm.parameters())
         started = time.perf_counter()
         # The engine starts from the policy's current weights, written once as an HF folder.
@@ -96,8 +96,7 @@ class VllmEngine:
                            **options)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        self.start_s = time.perf_counter() - started
-        log.info("vLLM engine ready in %.1f s (%s, %s)", self.start_s, parameter.device.type,
+        log.info("vLLM engine ready in %.1f s (%s, %s)", time.perf_counter() - started, parameter.device.type,
                  "compiled" if compile else "eager")
         self.check_probe()
 
@@ -129,19 +128,15 @@ class VllmEngine:
     def _prompts(self, steps: list[TurnInput]) -> list[dict]:
         batch = collate_turns(steps, self.policy.memory_width)
         lengths = batch.attention_mask.sum(dim=1).tolist()
+        prompts = [{"prompt_token_ids": batch.token_ids[row, :length].tolist()} for row, length in enumerate(lengths)]
         with_memory = [row for row, step in enumerate(steps) if len(step.memory)]
-        embeds = None
         if with_memory:
             device = self.policy.projector.weight.device
             rows = torch.tensor(with_memory)
             embeds = self.policy._embed(batch.token_ids[rows].to(device), batch.memory_vectors[rows].to(device),
                                         batch.memory_mask[rows].to(device))
-        prompts = []
-        for row in range(len(steps)):
-            if row in with_memory:
-                prompts.append({"prompt_embeds": embeds[with_memory.index(row), :lengths[row]].detach()})
-            else:
-                prompts.append({"prompt_token_ids": batch.token_ids[row, :lengths[row]].tolist()})
+            for row, row_embeds in zip(with_memory, embeds):
+                prompts[row] = {"prompt_embeds": row_embeds[:lengths[row]]}
         return prompts
 
     def sync_weights(self) -> float:
@@ -162,11 +157,12 @@ class VllmEngine:
         output = self.llm.generate([{"prompt_token_ids": self.probe}],
                                    SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)[0]
         engine = torch.tensor([step[token].logprob for token, step in zip(self.probe[1:], output.prompt_logprobs[1:])])
-        device = next(self.policy.lm.parameters()).device
-        logits = self.policy.lm(torch.tensor([self.probe], device=device)).logits[0, :-1].float()
-        reference = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(self.probe[1:], device=device)[:, None])
+        parameter = next(self.policy.lm.parameters())
+        logits = self.policy.lm(torch.tensor([self.probe], device=parameter.device)).logits[0, :-1].float()
+        targets = torch.tensor(self.probe[1:], device=parameter.device)[:, None]
+        reference = F.log_softmax(logits, dim=-1).gather(-1, targets)
         gap = float((engine - reference.squeeze(-1).cpu()).abs().max())
-        tolerance = PROBE_TOLERANCE[next(self.policy.lm.parameters()).dtype]
+        tolerance = PROBE_TOLERANCE[parameter.dtype]
         if not gap <= tolerance:
             raise EngineStale(f"the vLLM engine's log-probs on the probe differ from the policy's weights by {gap:.2e} "
                               f"(tolerance {tolerance:.0e}): a layer kept weights the reload did not refresh")
