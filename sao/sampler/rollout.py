@@ -119,9 +119,11 @@ class Roller:
         self.sampler_id = sampler_id
         self.generator = torch.Generator().manual_seed(seed)
         positions = getattr(getattr(getattr(policy, "lm", None), "config", None), "max_position_embeddings", None)
+        # Every turn's action must fit in the model's context after what the turn shows it (None: unbounded).
+        self.max_context = positions - self.generation.max_new_tokens if isinstance(positions, int) else None
         self.max_prompt_tokens = config.sampler.max_prompt_tokens
-        if isinstance(positions, int):  # the first action must fit in the model's context after the prompt
-            self.max_prompt_tokens = min(self.max_prompt_tokens, positions - self.generation.max_new_tokens)
+        if self.max_context is not None:
+            self.max_prompt_tokens = min(self.max_prompt_tokens, self.max_context)
 
     def check_prompt(self, tokens: int) -> None:
         """Refuse (too-large) a task whose first context is over the bound: a task is untrusted input, and a
@@ -168,21 +170,32 @@ class Roller:
         """One turn of every episode, generated as one batch. Per episode: its trajectory if that
         turn ended it, its EnvFailure if the env failed, or None while it goes on."""
         generation = self.generation
+        inputs = [e.next_input() for e in episodes]
+        outcomes: list[Trajectory | EnvFailure | None] = [self._over_context(e, i) for e, i in zip(episodes, inputs)]
+        going = [k for k, outcome in enumerate(outcomes) if outcome is None]
         started = time.perf_counter()
         samples = (self.engine or self.policy).sample_batch(
-            [e.next_input() for e in episodes], generation.max_new_tokens, generation.temperature, self.chat.stop,
-            self.generator, greedy, generation.top_p)
+            [inputs[k] for k in going], generation.max_new_tokens, generation.temperature, self.chat.stop,
+            self.generator, greedy, generation.top_p) if going else []
         elapsed = time.perf_counter() - started
-        outcomes: list[Trajectory | EnvFailure | None] = []
-        for episode, (action_ids, logprobs) in zip(episodes, samples):
+        for k, (action_ids, logprobs) in zip(going, samples):
+            episode = episodes[k]
             episode.generate_s += elapsed
             try:
                 episode.advance(action_ids, logprobs)
             except EnvFailure as failure:
-                outcomes.append(failure)
+                outcomes[k] = failure
                 continue
-            outcomes.append(episode.trajectory() if episode.done else None)
+            outcomes[k] = episode.trajectory() if episode.done else None
         return outcomes
+
+    def _over_context(self, episode: LiveEpisode, turn: TurnInput) -> EnvFailure | None:
+        """The too-large failure of a turn whose context leaves no room for its action in the model's positions
+        (an env's observations are untrusted and can grow): that episode ends there, the batch goes on."""
+        if self.max_context is None or turn.positions <= self.max_context:
+            return None
+        return EnvFailure("too-large", f"turn {len(episode.steps) + 1}'s context is {turn.positions} positions, over "
+                                       f"{self.max_context} (the model's context less policy.max_new_tokens)")
 
     def rollout_batch(self, tasks: list[Task], behaviour_version: int, greedy: bool = False,
                       slots: int | None = None) -> list[Trajectory | EnvFailure]:

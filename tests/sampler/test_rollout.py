@@ -1,5 +1,6 @@
 """Single-trajectory rollout with the tiny policy: wire-ready, compressed, exactly re-scorable."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -273,3 +274,39 @@ def test_rollout_batch_with_fewer_slots_refills_them_and_keeps_task_order(tiny_c
     assert [len(t.steps) for t in results] == [1, 3, 1, 1]
     events = turns_env.EVENTS
     assert events.index(("reset", 2)) < len(events) - 1 - events[::-1].index(("step", 1))
+
+
+def test_a_turn_whose_context_outgrows_the_model_fails_alone_and_the_batch_goes_on(tiny_config, encoder):
+    """Feedback is untrusted and can grow: a turn that leaves no room for its action in the model's positions
+    ends its episode as too-large (dead-lettered by the sampler) before any generation - an engine such as
+    vLLM would refuse the whole batch - and the other episodes of the batch go on."""
+    from sao.envs.guard import EnvFailure
+
+    config = tiny_config.model_copy(deep=True)
+    config.env.max_turns, config.policy.max_new_tokens = 3, 4
+    roller = make_roller(config, encoder)
+    created = []
+
+    def env_factory():  # the first episode's feedback is thousands of tokens, the second one's is the env's own
+        created.append(make_env(config.env))
+        return _Verbose(created[-1]) if len(created) == 1 else created[-1]
+
+    roller.env_factory = env_factory
+    flooded, fine = roller.rollout_batch(make_tasks(config.env, 2), 0)
+    assert isinstance(flooded, EnvFailure) and flooded.reason == "too-large", flooded
+    assert "turn 2's context" in str(flooded) and f"over {1024 - 4}" in str(flooded)
+    assert isinstance(fine, Trajectory) and len(fine.steps) >= 2  # a random tiny model never answers right
+
+
+class _Verbose:
+    """Wraps an env: every feedback observation is padded far past the tiny model's 1024 positions."""
+
+    def __init__(self, env):
+        self.env, self.name = env, env.name
+
+    def reset(self, spec):
+        return self.env.reset(spec)
+
+    def step(self, action):
+        feedback = self.env.step(action)
+        return dataclasses.replace(feedback, observation=feedback.observation + " pad" * 3000)
