@@ -205,6 +205,8 @@ class CompressionConfig(Section):
 class SamplerConfig(Section):
     num_samplers: int = Field(2, ge=1, description="Sampler processes `sao run` starts.")
     torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
+    seed: int = Field(0, ge=0, lt=2**31, description="Seed of the samplers' sampling, mixed with each sampler's id "
+                                                      "(env.seed fixes the tasks; this, which tokens are drawn).")
     cpu_affinity: list[int] | None = Field(
         None, description="CPU ids each sampler process is pinned to (os.sched_setaffinity at start, before torch "
                           "sets its threads); unset = wherever the OS schedules it. E.g. [0] with trainer.cpu_affinity "

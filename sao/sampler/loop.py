@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 _PRODUCE_HEADROOM_BYTES = 64 * 1024
 
 
+def sampling_seed(sampler_id: str, seed: int) -> int:
+    """The seed of a sampler's draws: stable across processes (unlike hash()), its own per sampler id and per
+    `sampler.seed`, and at seed 0 the id's crc32 alone. 32 bits: torch's CPU generator uses no more."""
+    return zlib.crc32(sampler_id.encode(), seed)
+
+
 class Sampler:
     """One `sao sampler` process: its policy copy, its live episodes and its Kafka clients."""
 
@@ -59,8 +65,7 @@ class Sampler:
         self.config = config
         self.sampler_id = sampler_id
         self.status_path = status_path
-        seed = zlib.crc32(sampler_id.encode())  # stable across processes, unlike hash()
-        self.roller = Roller.from_config(config, sampler_id, seed)
+        self.roller = Roller.from_config(config, sampler_id, sampling_seed(sampler_id, config.sampler.seed))
         self.policy = self.roller.policy
         # The version and published state it holds, and how a new version's files (whole or delta) bring it there.
         self.weight_sync = WeightSync(self.policy)

@@ -109,9 +109,19 @@ def test_seeded_rows_reproduce_and_stop_rules_end_actions(engine, policy):
     assert int(stopped[-1]) == stop_token and stop_token not in stopped[:-1].tolist() and len(stopped) <= 3
 
 
-def test_three_in_place_reloads_match_the_weights_loaded(engine, policy, base_weights):
+def _prompt_logprobs(engine: VllmEngine, tokens: list[int]) -> np.ndarray:
+    """The engine's log-prob of each of `tokens` after the ones before it (one teacher-forced pass)."""
+    from vllm import SamplingParams
+
+    output = engine.llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                 use_tqdm=False)[0]
+    return np.asarray([step[token].logprob for token, step in zip(tokens[1:], output.prompt_logprobs[1:])])
+
+
+def test_three_in_place_reloads_match_the_weights_loaded(engine, config, policy, base_weights):
     """Each push is checked on the probe; after three the engine scores like the HF model holding the last
-    weights (the tied embedding / output layer included: it alone is moved the third time)."""
+    weights, and like a fresh engine started from them (the tied embedding / output layer included: it
+    alone is moved the third time, so an engine that kept its old output layer fails both)."""
     generator = torch.Generator().manual_seed(0)
     for reload in range(3):
         names = ["lm.model.embed_tokens.weight"] if reload == 2 else list(base_weights)
@@ -122,6 +132,15 @@ def test_three_in_place_reloads_match_the_weights_loaded(engine, policy, base_we
                     state[name].add_(torch.randn(state[name].shape, generator=generator) * 0.01)
         engine.sync_weights()
     assert engine.check_probe() <= 1e-4
+    tokens = np.random.default_rng(1).integers(200, 20000, 96).tolist()
+    reloaded = _prompt_logprobs(engine, tokens)
+    fresh = VllmEngine(policy, resolve_model_path(config.policy.model, config.policy.cache_dir), seed=0,
+                       kv_cache_gib=1)
+    try:
+        gaps = np.abs(reloaded - _prompt_logprobs(fresh, tokens))
+    finally:
+        del fresh
+    assert gaps.max() <= 1e-4, (gaps.mean(), gaps.max())
     # And the check bites: weights the engine was not given fail it.
     with torch.no_grad():
         policy.state_dict()["lm.model.embed_tokens.weight"].mul_(1.05)

@@ -310,3 +310,30 @@ class _Verbose:
     def step(self, action):
         feedback = self.env.step(action)
         return dataclasses.replace(feedback, observation=feedback.observation + " pad" * 3000)
+
+
+def test_sampler_seed_changes_the_draws_and_seed_zero_keeps_the_ids_own():
+    import zlib
+
+    from sao.sampler.loop import sampling_seed
+
+    assert sampling_seed("sampler-0", 0) == zlib.crc32(b"sampler-0")
+    seeds = {sampling_seed(name, seed) for name in ("sampler-0", "sampler-1") for seed in (0, 1, 2**31 - 1)}
+    assert len(seeds) == 6 and max(seeds) < 2**32  # what torch's CPU generator and numpy take
+
+
+def test_another_sampling_seed_draws_other_actions_for_the_same_tasks(tiny_config, encoder):
+    config = tiny_config.model_copy(deep=True)
+    config.env.max_turns, config.policy.max_new_tokens = 1, 8
+    tasks = make_tasks(config.env, 4)
+    actions = {}
+    from sao.sampler.loop import sampling_seed
+
+    for seed in (0, 1):
+        roller = make_roller(config, encoder)
+        roller.generator.manual_seed(sampling_seed("sampler-0", seed))
+        actions[seed] = [t.steps[0].action_ids.tolist() for t in roller.rollout_batch(tasks, 0)]
+    again = make_roller(config, encoder)
+    again.generator.manual_seed(sampling_seed("sampler-0", 0))
+    assert [t.steps[0].action_ids.tolist() for t in again.rollout_batch(tasks, 0)] == actions[0]
+    assert actions[0] != actions[1]
