@@ -1,0 +1,249 @@
+"""Does sao's memory carry the episode? Recall questions answered from memory slots, against controls.
+
+    python benchmarks/memory_recall.py [--episodes 200] [--model smollm2-135m-instruct] [--threads 1] [--json PATH]
+
+Held-out `recall` episodes (`env.name = "recall"`, eval split: facts no model can know) are played
+as `recall_calibration.py` plays them: the replies before a question teacher-forced to what the
+rules ask, in sao's chat template. Each finished turn also goes through the sampler's own online
+compressor (the sentence encoder, the shipped temporal filter, INT8 in the shipped basis), so at a
+question the memory slots are exactly what a sampler would show the policy; the policy is version 0
+with the shipped projector (`policy.projector`). Each question is asked under six contexts:
+
+  full    - every earlier turn as text (the upper bound)
+  recent  - the recent window as text, no slots (truncation: what memory must beat)
+  sao     - the recent window + this episode's memory slots
+  other   - the recent window + another episode's slots, as many (the content control)
+  zero    - the recent window + as many zero slots
+  mean    - the recent window + as many copies of the mean slot (over every question's memory)
+
+Per context: greedy success by the env's rule (`answer_matches`) and the answer's NLL per token
+(the value and the end of turn, teacher-forced), each ± its standard error over questions, and
+the context's positions and bytes against full text (ids as int32; a slot as its INT8
+coordinates and scale). Headline: retention = (sao - recent) / (full - recent) of success, its
+error by bootstrap over questions; content = sao - other (success and NLL), paired by question.
+Content is shown when sao beats another episode's memory by more than 3 standard errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CONTEXTS = ("full", "recent", "sao", "other", "zero", "mean")
+WITH_SLOTS = ("sao", "other", "zero", "mean")
+CONTENT_STDERRS = 3.0  # how far above another episode's memory sao must be to say the slots carry content
+
+
+def questions_with_memory(roller, spec: dict) -> list[dict]:
+    """Each question of one episode: its fact's value, distance in turns from the fact, the text contexts
+    (full, recent) and the memory slots the sampler's compressor holds when it is asked."""
+    from sao.compression.pipeline import OnlineCompressor
+    from sao.envs.recall import build_episode
+    from sao.policy.chat import turn_text
+    from sao.policy.context import turn_tokens
+
+    chat, window = roller.chat, roller.config.compression.recent_window
+    compressor = OnlineCompressor(roller.encoder, roller.temporal_filter.fork(), recent_window=window,
+                                  bottleneck=roller.bottleneck)
+    episode = build_episode(spec)
+    turns = episode.turns
+    stated_at = {turn.text: index for index, turn in enumerate(turns)}
+    prompt_ids, observation_ids = chat.prompt(turns[0].text), chat.first_observation(turns[0].text)
+    finished: list[tuple[np.ndarray, np.ndarray]] = []
+    found = []
+    for index, turn in enumerate(turns):
+        if turn.fact is not None:
+            found.append({"value": turn.fact.value, "stated": episode.values, "episode": spec["index"],
+                          "distance": index - stated_at[turn.fact.statement], "prompt_ids": prompt_ids,
+                          "full_ids": turn_tokens(finished, observation_ids, len(finished)),
+                          "recent_ids": turn_tokens(finished, observation_ids, window),
+                          "memory": compressor.dequantized(compressor.visible_slots())})
+        action_ids = chat.action_ids(turn.reply)
+        finished.append((observation_ids, action_ids))
+        if index + 1 < len(turns):
+            compressor.finish_turn(turn_text(turn.text, turn.reply), 0.0)
+            observation_ids = chat.feedback_observation(turns[index + 1].text, action_ids)
+    return found
+
+
+def another_episodes_memory(questions: list[dict], index: int) -> np.ndarray:
+    """The slots of the nearest question (cyclically after `index`) from another episode with at least as many,
+    cut to this question's count; zero rows pad only if no episode has that many."""
+    own = questions[index]
+    count = len(own["memory"])
+    for step in range(1, len(questions)):
+        other = questions[(index + step) % len(questions)]
+        if other["episode"] != own["episode"] and len(other["memory"]) >= count:
+            return other["memory"][:count]
+    return np.zeros_like(own["memory"])
+
+
+def contexts_of(questions: list[dict], width: int) -> dict[str, list]:
+    """The TurnInput of every question under each context."""
+    from sao.policy.context import TurnInput
+
+    no_action, no_memory = np.zeros(0, np.int32), np.zeros((0, width), np.float32)
+    slots = [q["memory"] for q in questions if len(q["memory"])]
+    mean_slot = np.concatenate(slots).mean(axis=0) if slots else np.zeros(width, np.float32)
+    memories = {"sao": [q["memory"] for q in questions],
+                "other": [another_episodes_memory(questions, i) for i in range(len(questions))],
+                "zero": [np.zeros_like(q["memory"]) for q in questions],
+                "mean": [np.tile(mean_slot, (len(q["memory"]), 1)).astype(np.float32) for q in questions]}
+    inputs = {"full": [TurnInput(q["prompt_ids"], no_memory, q["full_ids"], no_action) for q in questions],
+              "recent": [TurnInput(q["prompt_ids"], no_memory, q["recent_ids"], no_action) for q in questions]}
+    for context, memory in memories.items():
+        inputs[context] = [TurnInput(q["prompt_ids"], m, q["recent_ids"], no_action) for q, m in zip(questions, memory)]
+    return inputs
+
+
+def answer_nll(policy, inputs: list, answers: list[np.ndarray], batch: int) -> list[float]:
+    """Mean negative log-prob per token of each answer after its context, teacher-forced, in input order."""
+    import torch
+
+    from sao.policy.context import TurnInput
+    from sao.policy.model import collate_turns
+
+    full = [TurnInput(i.prompt_ids, i.memory, i.context_ids, a) for i, a in zip(inputs, answers)]
+    order = sorted(range(len(full)), key=lambda i: full[i].positions)
+    nll = [0.0] * len(full)
+    for start in range(0, len(order), batch):
+        chunk = order[start:start + batch]
+        scored_batch = collate_turns([full[i] for i in chunk], policy.memory_width)
+        with torch.no_grad():
+            scored = policy(scored_batch)
+        for row, i in enumerate(chunk):
+            nll[i] = -float(scored[row][scored_batch.action_mask[row]].mean())
+    return nll
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    from sao.stats import mean, stderr
+
+    differences = [x - y for x, y in zip(a, b)]
+    return {"difference": mean(differences), "se": stderr(differences)}
+
+
+def retention(success: dict[str, list[float]], resamples: int = 2000, seed: int = 0) -> dict:
+    """(sao - recent) / (full - recent) of mean success, and its bootstrap standard error over questions."""
+    rows = np.asarray([success["sao"], success["recent"], success["full"]])
+
+    def ratio(columns) -> float:
+        sao, recent, full = rows[:, columns].mean(axis=1)
+        return (sao - recent) / (full - recent) if full != recent else float("nan")
+
+    rng = np.random.default_rng(seed)
+    draws = [ratio(rng.integers(0, rows.shape[1], rows.shape[1])) for _ in range(resamples)]
+    finite = [d for d in draws if np.isfinite(d)]
+    return {"value": ratio(slice(None)), "se": float(np.std(finite, ddof=1)) if len(finite) > 1 else None}
+
+
+def content_shown(content: dict) -> bool:
+    """Whether sao's own memory beats another episode's by more than CONTENT_STDERRS standard errors."""
+    return bool(content["se"] and content["difference"] > CONTENT_STDERRS * content["se"])
+
+
+def context_costs(inputs: dict[str, list], width: int) -> dict[str, dict]:
+    """Mean positions and bytes of each context (ids as int32, a slot as INT8 coordinates and a float32 scale)."""
+    costs = {}
+    for context, rows in inputs.items():
+        positions = [r.positions for r in rows]
+        slot_bytes = [len(r.memory) * (width + 4) for r in rows]
+        ids = [len(r.prompt_ids) + len(r.context_ids) for r in rows]
+        costs[context] = {"positions": float(np.mean(positions)),
+                          "bytes": float(np.mean([4 * n + s for n, s in zip(ids, slot_bytes)])),
+                          "slots": float(np.mean([len(r.memory) for r in rows]))}
+    for cost in costs.values():
+        cost["positions_vs_full"] = cost["positions"] / costs["full"]["positions"]
+        cost["bytes_vs_full"] = cost["bytes"] / costs["full"]["bytes"]
+    return costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--episodes", type=int, default=200, help="held-out episodes (one question each by default)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="policy.model (tiny for a quick check)")
+    parser.add_argument("--batch", type=int, default=8, help="contexts per batched generation")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KNOB=VALUE",
+                        help="config override, e.g. compression.recent_window=2 (repeatable)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+    from recall_calibration import answer_all, summary
+    from rich.console import Console
+    from rich.table import Table
+
+    from sao.config import ConfigError, load_config
+    from sao.envs.recall import answer_matches
+    from sao.envs.registry import make_tasks
+    from sao.sampler.rollout import Roller
+
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    try:
+        config = load_config(overrides=[f'policy.model="{args.model}"', 'env.name="recall"', *args.overrides],
+                             environ={})
+    except ConfigError as err:
+        raise SystemExit(str(err)) from err
+    roller = Roller.from_config(config, "memory-recall")  # the sampler's encoder, filter, basis and policy
+    policy, chat, width = roller.policy, roller.chat, roller.policy.memory_width
+    questions = [q for task in make_tasks(config.env, args.episodes, split="eval")
+                 for q in questions_with_memory(roller, task.spec)]
+    inputs = contexts_of(questions, width)
+    answers_ids = [chat.action_ids(q["value"]) for q in questions]
+    success, nll, answers = {}, {}, {}
+    for context in CONTEXTS:
+        answers[context] = answer_all(policy, chat, inputs[context], roller.generation.max_new_tokens, args.batch)
+        success[context] = [float(answer_matches(a, q["value"], q["stated"])) for a, q in zip(answers[context], questions)]
+        nll[context] = answer_nll(policy, inputs[context], answers_ids, args.batch)
+    figures = {c: {**summary(success[c]), "nll": float(np.mean(nll[c])), "nll_se": summary(nll[c])["se"]}
+               for c in CONTEXTS}
+    costs = context_costs(inputs, width)
+    kept = retention(success)
+    content = {"success": paired(success["sao"], success["other"]),
+               "nll": paired(nll["other"], nll["sao"])}  # positive: own memory makes the answer likelier
+    shown = content_shown(content["success"]) or content_shown(content["nll"])
+    seconds = time.perf_counter() - started
+
+    console = Console()
+    table = Table(title=f"recall from memory, {len(questions)} held-out questions, {args.model}, greedy "
+                        f"(± s.e.; recent window {config.compression.recent_window})")
+    for column in ("context", "success", "answer NLL/token", "slots", "positions vs full", "bytes vs full"):
+        table.add_column(column, justify="right")
+    for c in CONTEXTS:
+        f = figures[c]
+        table.add_row(c, f"{f['success']:.3f} ± {f['se']:.3f}", f"{f['nll']:.2f} ± {f['nll_se']:.2f}",
+                      f"{costs[c]['slots']:.1f}", f"{costs[c]['positions_vs_full']:.2f}",
+                      f"{costs[c]['bytes_vs_full']:.2f}")
+    console.print(table)
+    console.print(f"retention (sao - recent) / (full - recent): {kept['value']:.2f} ± {kept['se'] or float('nan'):.2f}; "
+                  f"content, sao - another episode's memory: success {content['success']['difference']:+.3f} ± "
+                  f"{content['success']['se']:.3f}, NLL {content['nll']['difference']:+.3f} ± "
+                  f"{content['nll']['se']:.3f} nats/token: "
+                  f"{'shown' if shown else 'not shown'} (> {CONTENT_STDERRS:g} s.e.)")
+    console.print(f"{seconds:.0f} s, {args.threads} thread(s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "headline": {"metric": "recall retention from memory, (sao - recent) / (full - recent)",
+                         "value": figures["sao"]["success"], "baseline": figures["recent"]["success"],
+                         "ratio": kept["value"] if np.isfinite(kept["value"]) else None, "unit": "fraction of questions"},
+            "contexts": figures, "costs": costs, "retention": kept, "content": content, "content_shown": shown,
+            "model": args.model, "seconds": seconds, "threads": args.threads, "episodes": args.episodes,
+            "questions": [{"distance": q["distance"], "value": q["value"], "slots": len(q["memory"]),
+                           "answers": {c: answers[c][i] for c in CONTEXTS}, "success": {c: success[c][i] for c in CONTEXTS},
+                           "nll": {c: nll[c][i] for c in CONTEXTS}} for i, q in enumerate(questions)]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
