@@ -1,13 +1,15 @@
 """Async vs sync: sao's asynchronous default against synchronous training, same env, model, tasks, seeds and compute.
 
-    python benchmarks/async_vs_sync.py [--tasks 48] [--seeds 0 1 2] [--arms grpo sync async] [--heldout-cap 128]
-        [--group-size 8] [--pinned | --unpinned | --both] [--runs-dir runs/bench/async_vs_sync] [--json PATH]
+    python benchmarks/async_vs_sync.py [--tasks 48] [--seeds 0 1 2] [--arms grpo sync async resampled]
+        [--heldout-cap 128] [--group-size 8] [--pinned | --unpinned | --both] [--runs-dir runs/bench/async_vs_sync]
+        [--json PATH]
         [-- extra sao run args]
 
-Three arms, each one `sao run` (its own run directory) on the same number of trajectories:
+Four arms, each one `sao run` (its own run directory) on the same number of trajectories:
 (a) synchronous GRPO, `--group-size` copies per task (tasks / group-size tasks); (b) synchronous
 single-trajectory, `run.mode = "sync"`: one batch released, sampled with the newest version, trained
-and published before the next; (c) sao's asynchronous default. Each arm runs unpinned (the OS
+and published before the next; (c) sao's asynchronous default; (d) `resampled`: (b) again with
+another `sampler.seed`, the same tasks with other tokens drawn: sync against itself. Each arm runs unpinned (the OS
 places every process) and pinned (samplers on the first half of the CPUs, the trainer on the other
 half: the CPU stand-in for separate sampler and trainer pools; the broker, launcher and feeder share
 the samplers' half, and so does the final held-out evaluation).
@@ -26,6 +28,12 @@ each arm runs once per seed (`--seeds`), and "async learns as much as sync" is j
 per-seed difference async - sync, its mean ± the standard error across seeds; with one seed only
 the error over questions is left, and the JSON says so (`difference_error`). Rates are averaged
 over seeds the same way (the headline: mean async rate / mean sync rate).
+
+Per seed, async - sync is also paired by task (final and kept versions) and called within 2 s.e.
+or not. A sync run repeats itself given its seed, while async's timing draws anew each run, so a
+per-seed gap holds the run's own randomness too; the `resampled` arm measures how often sync
+against sync with other draws falls outside 2 s.e. the same way: the floor a per-seed verdict on
+async is read against.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from pathlib import Path
 
 from sao import stats
 
-ARMS = ("grpo", "sync", "async")
+ARMS = ("grpo", "sync", "async", "resampled")
+RESAMPLED_SEED = 1  # sampler.seed of the resampled arm (the others keep the default, 0)
 
 
 def arm_arguments(arm: str, tasks: int, group_size: int) -> list[str]:
@@ -50,8 +59,9 @@ def arm_arguments(arm: str, tasks: int, group_size: int) -> list[str]:
     if arm == "grpo":
         return ["--num-tasks", str(max(tasks // group_size, 1)), "--set", 'trainer.algorithm="grpo"',
                 "--set", f"trainer.group_size={group_size}"]
-    mode = ["--set", 'run.mode="sync"'] if arm == "sync" else []
-    return ["--num-tasks", str(tasks), *mode]
+    mode = ["--set", 'run.mode="sync"'] if arm in ("sync", "resampled") else []
+    draws = ["--set", f"sampler.seed={RESAMPLED_SEED}"] if arm == "resampled" else []
+    return ["--num-tasks", str(tasks), *mode, *draws]
 
 
 def cpu_halves() -> tuple[list[int], list[int]]:
@@ -178,22 +188,40 @@ def paired_by_task(async_dir: Path, sync_dir: Path, which: str) -> tuple[float |
     return stats.mean(differences), stats.stderr(differences), len(differences)
 
 
+def paired_versions(run: dict, against: dict) -> dict:
+    """run - against held-out success of the final and the kept versions, paired by task, within 2 s.e. or not."""
+    paired = {}
+    for which in ("final", "kept"):
+        difference, se, n = paired_by_task(Path(run["run_dir"]), Path(against["run_dir"]), which)
+        paired[which] = {"difference": difference, "stderr": se, "n": n,
+                         "within_2se": None if difference is None or se is None else abs(difference) <= 2 * se}
+    return paired
+
+
 def per_seed(runs: dict[str, list[dict]]) -> list[dict]:
-    """Each seed on its own: async / sync steady rate against that seed's bound, and async - sync
-    held-out success (final and kept versions) paired by task, within 2 s.e. or not."""
+    """Each seed on its own: async / sync steady rate against that seed's bound, async - sync held-out
+    success paired by task (final and kept versions), and with the resampled arm resampled - sync the same way."""
     rows = []
-    for a, s in zip(runs["async"], runs["sync"]):
+    for index, (a, s) in enumerate(zip(runs["async"], runs["sync"])):
         phases = sync_phases([Path(s["run_dir"])])
         ratio = (a["steady_trajectories_per_s"] / s["steady_trajectories_per_s"]
                  if a["steady_trajectories_per_s"] and s["steady_trajectories_per_s"] else None)
         row = {"seed": a["seed"], "ratio": ratio, "bound": phases["bound"],
-               "ratio_of_bound": ratio / phases["bound"] if ratio else None}
-        for which in ("final", "kept"):
-            difference, se, n = paired_by_task(Path(a["run_dir"]), Path(s["run_dir"]), which)
-            row[which] = {"difference": difference, "stderr": se, "n": n,
-                          "within_2se": None if difference is None or se is None else abs(difference) <= 2 * se}
+               "ratio_of_bound": ratio / phases["bound"] if ratio else None, **paired_versions(a, s)}
+        if runs.get("resampled"):
+            row["resampled"] = paired_versions(runs["resampled"][index], s)
         rows.append(row)
     return rows
+
+
+def outside_2se(rows: list[dict], key: str | None = None) -> dict:
+    """How many seeds' paired difference (async - sync; with `key`, that comparison's) is outside 2 s.e."""
+    counts = {}
+    for which in ("final", "kept"):
+        verdicts = [(row[key] if key else row)[which]["within_2se"] for row in rows if not key or key in row]
+        known = [v for v in verdicts if v is not None]
+        counts[which] = {"outside": sum(not v for v in known), "seeds": len(known)}
+    return counts
 
 
 def compare(runs: dict[str, list[dict]], phases: dict) -> dict:
@@ -208,7 +236,9 @@ def compare(runs: dict[str, list[dict]], phases: dict) -> dict:
             "ratio_whole_run": whole_async / whole_sync if whole_async and whole_sync else None, **phases,
             "ratio_of_bound": ratio / phases["bound"] if ratio else None,
             "learning": {arm: learning(arm_runs) for arm, arm_runs in runs.items()},
-            **gain_difference(runs["async"], runs["sync"]), "per_seed": per_seed(runs)}
+            **gain_difference(runs["async"], runs["sync"]), "per_seed": (rows := per_seed(runs)),
+            "async_outside_2se": outside_2se(rows),
+            **({"resampled_outside_2se": outside_2se(rows, "resampled")} if runs.get("resampled") else {})}
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -219,8 +249,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=48, help="trajectories per arm (grpo: tasks / group-size tasks)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every arm per seed")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
-                        help="arms to run (sync and async are always among them: the headline compares them)")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS[:3]),
+                        help="arms to run (sync and async are always among them: the headline compares them; "
+                             "resampled only when named)")
     parser.add_argument("--heldout-cap", type=int, default=128)
     parser.add_argument("--group-size", type=int, default=8, help="GRPO copies per task (divides the batch)")
     compute = parser.add_mutually_exclusive_group()
@@ -279,6 +310,16 @@ def main() -> None:
                 for which in ("final", "kept") if row[which]["n"])
             console.print(f"{setting}: seed {row['seed']}: async / sync {_fmt(row['ratio'], '.2f')}x, bound "
                           f"{row['bound']:.2f}x, ratio / bound {_fmt(row['ratio_of_bound'], '.2f')}; {versions}")
+            if "resampled" in row:
+                console.print(f"{setting}: seed {row['seed']}: sync against itself, " + "; ".join(
+                    f"{which} resampled - sync {_fmt(row['resampled'][which]['difference'], '+.3f')} ± "
+                    f"{_fmt(row['resampled'][which]['stderr'])} ("
+                    f"{'within' if row['resampled'][which]['within_2se'] else 'NOT within'} 2 s.e.)"
+                    for which in ("final", "kept") if row["resampled"][which]["n"]))
+        for label, key in (("async - sync", "async_outside_2se"), ("resampled - sync", "resampled_outside_2se")):
+            if key in r:
+                console.print(f"{setting}: {label} outside 2 s.e. in " + ", ".join(
+                    f"{c['outside']} of {c['seeds']} seeds ({which})" for which, c in r[key].items()))
         if r["heldout_gains_within_2se"] is None:
             console.print(f"{setting}: no held-out figures (run.heldout_eval off?): learning not compared")
             continue

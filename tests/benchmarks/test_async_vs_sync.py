@@ -99,3 +99,23 @@ def test_a_seed_compares_the_two_runs_paired_by_task(tmp_path):
     assert se == pytest.approx(1 / 3)  # sd of (1, 0, 0) is 0.577, over sqrt 3
     # The sync run kept no version: nothing to pair for "kept".
     assert bench.paired_by_task(asynchronous, sync, "kept") == (None, None, 0)
+
+
+def test_the_resampled_arm_is_sync_with_other_draws_and_its_gaps_are_counted_like_asyncs(tmp_path):
+    bench = _bench()
+    assert bench.arm_arguments("resampled", 48, 8) == bench.arm_arguments("sync", 48, 8) + [
+        "--set", f"sampler.seed={bench.RESAMPLED_SEED}"]
+    assert "sampler.seed" not in " ".join(bench.arm_arguments("async", 48, 8))
+
+    def run(name, firsts):
+        per_task = {f"t{i}": {"final": {"first_try": f}, "kept": {"first_try": f}} for i, f in enumerate(firsts)}
+        return {"run_dir": str(_heldout(tmp_path / name, per_task))}
+
+    sync = run("sync", [1.0] * 20 + [0.0] * 20)
+    close = run("close", [1.0] * 21 + [0.0] * 19)  # one task apart: within 2 s.e.
+    far = run("far", [0.0] * 20 + [1.0] * 5 + [0.0] * 15)  # 20 right -> wrong, 5 wrong -> right: outside
+    rows = [{**bench.paired_versions(close, sync), "resampled": bench.paired_versions(far, sync)},
+            {**bench.paired_versions(far, sync), "resampled": bench.paired_versions(close, sync)},
+            {**bench.paired_versions(far, sync)}]  # a seed without the resampled arm
+    assert bench.outside_2se(rows) == {"final": {"outside": 2, "seeds": 3}, "kept": {"outside": 2, "seeds": 3}}
+    assert bench.outside_2se(rows, "resampled")["final"] == {"outside": 1, "seeds": 2}
