@@ -120,7 +120,8 @@ def check_content(policy: MemoryPolicy, announcement: PolicyAnnouncement) -> Non
     expected = "lora" if policy.adapters is not None else "full"
     if announcement.content != expected:
         raise WeightsMismatch(f"policy v{announcement.policy_version} holds {announcement.content} weights, but this "
-                              f"process loads {expected} ones: trainer.lora.rank must be the run's", "content")
+                              f"process loads {expected} ones: trainer.lora must be the run's (RUN_DIR/config.toml)",
+                              "content")
 
 
 def published_layout(policy: MemoryPolicy) -> dict[str, torch.Tensor]:
