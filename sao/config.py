@@ -274,8 +274,9 @@ class LoraConfig(Section):
                              "(its base weights frozen) and publish only the adapters and the projector, which stays "
                              "fully trained. 0 = full fine-tuning. See docs/design.md, 'LoRA'.")
     alpha: float = Field(
-        32.0, gt=0, description="LoRA alpha (peft's lora_alpha): the update is scaled by alpha / rank, so with alpha "
-                                "held fixed a change of rank keeps the update's size (as 'LoRA Without Regret' uses).")
+        32.0, gt=0, description="LoRA alpha (peft's lora_alpha): the update B@A is scaled by alpha / rank. Held fixed "
+                                "(as 'LoRA Without Regret' does), it keeps the best learning rate about the same "
+                                "whatever the rank.")
     targets: list[str] = Field(
         default_factory=lambda: [LORA_ALL_LINEAR], min_length=1,
         description="The language model's linear layers to adapt, by their last name (e.g. q_proj, v_proj); "
