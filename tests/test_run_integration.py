@@ -6,7 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from sao.config import load_config
+from sao.policy.chain import read_version_into, read_version_state
+from sao.policy.lora import add_lora, attach_adapter_merge
+from sao.policy.weights import build_policy
+from sao.run_dir import RunDir
 from support.shadow_env import shadow_on
 
 
@@ -144,7 +150,6 @@ def test_sao_run_trains_lora_adapters_and_every_reader_merges_them(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trajectories_trained"] == tasks and summary["policy_version"] == tasks // 4
     assert summary["sampler_reloads"] >= 1 and summary["max_behaviour_version"] >= 1
-    # The samplers' merged plain model computes what the trainer's peft model does (bf16-published adapters).
     assert abs(summary["importance_ratio_mean"] - 1) < 0.05
     sidecars = [json.loads(path.read_text()) for path in (run_dir / "policy").glob("policy-v*.json")]
     assert sidecars and all(sidecar["content"] == "lora" for sidecar in sidecars)
@@ -152,3 +157,23 @@ def test_sao_run_trains_lora_adapters_and_every_reader_merges_them(tmp_path):
     assert heldout["final_version"] == summary["policy_version"] and len(heldout["per_task"]) == 3
     board = json.loads((run_dir / "shadow" / "board.json").read_text())
     assert str(summary["policy_version"]) in board["scores"]
+    _check_final_adapters(run_dir, summary["policy_version"])
+
+
+def _check_final_adapters(run_dir, version: int) -> None:
+    """The final version as the readers merge it into a plain model computes what the trainer's peft model with
+    the published adapters computes, and differs from the base model (the adapters learned)."""
+    config = load_config(run_dir / "config.toml", environ={})
+    published = read_version_state(RunDir(run_dir), version)
+    width = published["projector.weight"].shape[1]
+    base = build_policy(config.policy, width).eval()
+    trainer_side = build_policy(config.policy, width).eval()
+    add_lora(trainer_side, config.trainer.lora)
+    trainer_side.load_state_dict(published, strict=False)
+    sampler_side = attach_adapter_merge(build_policy(config.policy, width).eval(), config.trainer.lora)
+    read_version_into(sampler_side, RunDir(run_dir), version)
+    tokens = torch.randint(0, base.lm.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged, peft, before = (policy.lm(input_ids=tokens).logits for policy in (sampler_side, trainer_side, base))
+    torch.testing.assert_close(merged, peft, rtol=1e-5, atol=1e-5)
+    assert float((merged - before).abs().max()) > 1e-3
