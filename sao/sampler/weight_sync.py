@@ -5,7 +5,8 @@ place, to the held copy of the published state and to the model, only when its b
 version and its base sha256 the held state's; after applying, the held state must hash to the
 delta's result, or the change is undone and the delta refused. A base that does not match means
 the held state is not what the trainer thinks it is: the sampler drops it (a re-sync) and comes
-back through the newest snapshot and the deltas after it.
+back through the newest snapshot and the deltas after it. A LoRA run's state is its adapters: the
+model is merged again from the held state after each delta (sao/policy/lora.py).
 """
 
 from __future__ import annotations
