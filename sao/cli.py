@@ -329,6 +329,7 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
     """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
     cfg = _config(config, set_)
+    from sao.policy.weights import WeightsMismatch
     from sao.sampler.evaluation import best_version, compare, evaluate
 
     try:
@@ -344,7 +345,7 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
                     "heldout_second_try_n", "heldout_second_try_penalised_base", "heldout_second_try_penalised_final",
                     "heldout_reward_base", "heldout_reward_final", "base_cached",
                     "base_seconds", "final_seconds")
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, WeightsMismatch) as err:
         console.print(f"[red]{err}[/]")
         raise typer.Exit(2) from err
     table = Table(title=f"policy v{version}" + (f" vs v{baseline}" if baseline is not None else "")

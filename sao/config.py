@@ -267,6 +267,36 @@ class SamplerConfig(Section):
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
 
 
+LORA_ALL_LINEAR = "all-linear"
+
+
+class LoraConfig(Section):
+    rank: int = Field(
+        0, ge=0, description="LoRA rank r: train a rank-r update B@A on each adapted linear layer of the language model "
+                             "(its base weights frozen) and publish only the adapters and the projector, which stays "
+                             "fully trained. 0 = full fine-tuning. See docs/design.md, 'LoRA'.")
+    alpha: float = Field(
+        32.0, gt=0, description="LoRA alpha (peft's lora_alpha): the update B@A is scaled by alpha / rank. Held fixed "
+                                "(as 'LoRA Without Regret' does), it keeps the best learning rate about the same "
+                                "whatever the rank.")
+    targets: list[str] = Field(
+        default_factory=lambda: [LORA_ALL_LINEAR], min_length=1,
+        description="The language model's linear layers to adapt, by their last name (e.g. q_proj, v_proj); "
+                    f"[\"{LORA_ALL_LINEAR}\"] = every linear layer but the output layer (lm_head). A name that "
+                    "matches no layer of the model is refused at start.")
+    lr_scale: float = Field(
+        10.0, gt=0, description="With rank > 0 the optimizer's learning rate is trainer.learning_rate times this: LoRA "
+                                "for RL learns best at about ten times the full fine-tuning rate ('LoRA Without "
+                                "Regret').")
+
+    @field_validator("targets")
+    @classmethod
+    def _all_linear_alone(cls, targets: list[str]) -> list[str]:
+        if LORA_ALL_LINEAR in targets and len(targets) > 1:
+            raise ValueError(f"\"{LORA_ALL_LINEAR}\" already names every linear layer: give it alone")
+        return targets
+
+
 class TrainerConfig(Section):
     algorithm: Literal["sao", "grpo"] = Field(
         "sao", description="sao: one trajectory per task, running-mean baseline. grpo: the traditional baseline - "
@@ -416,9 +446,15 @@ class TrainerConfig(Section):
         None, description="A DeepSpeed JSON config file, merged over sao's derived config (ZeRO-3, clipping, batch).")
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="Inline DeepSpeed settings, merged last (over deepspeed_config).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA training (off by default): see its knobs.")
 
 
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
+
+    @property
+    def optimizer_learning_rate(self) -> float:
+        """The rate the optimizer steps at after warm-up: learning_rate, times lora.lr_scale when training LoRA."""
+        return self.learning_rate * (self.lora.lr_scale if self.lora.rank else 1.0)
 
     @property
     def keeps_base_policy(self) -> bool:

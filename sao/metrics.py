@@ -126,7 +126,8 @@ TRAINER_RATIO = Gauge(
     ["stat"])
 TRAINER_KL = Gauge("sao_trainer_kl_k3", "k3 estimate of KL(mu || pi) over the last batch's tokens.")
 TRAINER_LEARNING_RATE = Gauge("sao_trainer_learning_rate", "The learning rate of the last optimizer step "
-                                                           "(trainer.learning_rate after trainer.warmup_steps).")
+                                                           "(trainer.learning_rate after trainer.warmup_steps, times "
+                                                           "trainer.lora.lr_scale when training LoRA).")
 TRAINER_KL_TO_BASE = Gauge("sao_trainer_kl_to_base", "k3 estimate of KL(pi || base policy) over the last batch's "
                                                      "tokens (trainer.measure_kl_to_base or kl_to_base_coef).")
 TRAINER_TOKEN_NLL = Gauge("sao_trainer_token_nll", "Mean -log pi of the last batch's sampled tokens (an entropy "

@@ -392,6 +392,9 @@ class ChunkRange:
         return cls(topic, partition, offset, count)
 
 
+ANNOUNCED_CONTENTS = frozenset({"full", "lora"})
+
+
 @dataclass(frozen=True)
 class PolicyAnnouncement:
     """A new policy version: where its safetensors file is and its sha256; whole, or a delta on an earlier one.
@@ -419,17 +422,23 @@ class PolicyAnnouncement:
     # With `policy.transport = "kafka"`: where the file's chunks are on the weights topic (sao/transport/weights.py);
     # `weights_path` then only names the trainer's own copy. None (absent on the wire): the file is in the folder.
     chunks: ChunkRange | None = None
+    # What the file's state is: "full" (the policy's tensors) or "lora" (trainer.lora.rank > 0: only the adapters
+    # and the projector, sao/policy/lora.py). Absent on the wire: "full".
+    content: str = "full"
 
     def signed_fields(self) -> bytes:
         """The bytes a signature covers: every field but the signature, in a fixed order (the chain fields and the
         chunks only when there are any, so a whole file's announcement in the folder is signed as before they
-        existed). The chunks are one nested list, so no two layouts of the fields pack alike."""
+        existed), then the content where it is not "full". The chunks are one nested list and the content a string,
+        so no two layouts of the fields pack alike."""
         fields = [self.policy_version, self.weights_path, self.sha256, self.num_bytes, self.trainer_step,
                   self.created_at]
         if self.kind != "snapshot" or self.state_sha256:
             fields += [self.kind, self.base_version, self.base_sha256, self.state_sha256]
         if self.chunks is not None:
             fields.append(self.chunks.to_wire())
+        if self.content != "full":
+            fields.append(self.content)
         return msgpack.packb(fields, use_bin_type=True)
 
     def to_wire(self) -> dict[str, Any]:
@@ -443,6 +452,8 @@ class PolicyAnnouncement:
             wire["state_sha256"] = self.state_sha256
         if self.chunks is not None:
             wire["chunks"] = self.chunks.to_wire()
+        if self.content != "full":
+            wire["content"] = self.content
         return wire
 
     @classmethod
@@ -452,6 +463,8 @@ class PolicyAnnouncement:
         kind = "delta" if "base_version" in obj else "snapshot"
         state_sha = _get(obj, "state_sha256", str) if "state_sha256" in obj else ""
         _require(len(state_sha) in (0, 64), "state_sha256", "expected 64 hex characters")
+        content = _get(obj, "content", str) if "content" in obj else "full"
+        _require(content in ANNOUNCED_CONTENTS, "content", f"expected one of {sorted(ANNOUNCED_CONTENTS)}")
         base_version, base_sha = 0, ""
         if kind == "delta":
             base_version, base_sha = _get(obj, "base_version", int), _get(obj, "base_sha256", str)
@@ -464,7 +477,7 @@ class PolicyAnnouncement:
                    created_at=float(_get(obj, "created_at", (int, float))),
                    signature=_get(obj, "signature", str) if "signature" in obj else "",
                    kind=kind, base_version=base_version, base_sha256=base_sha, state_sha256=state_sha,
-                   chunks=ChunkRange.from_wire(obj["chunks"]) if "chunks" in obj else None)
+                   chunks=ChunkRange.from_wire(obj["chunks"]) if "chunks" in obj else None, content=content)
 
 
 @dataclass(frozen=True)

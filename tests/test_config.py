@@ -30,10 +30,23 @@ def test_precedence_file_env_overrides(tmp_path):
     ("trainer.baseline_key=\"group\"", "trainer.baseline_key"),
     ("trainer.no_such_knob=1", "trainer.no_such_knob"),
     ("nosection.x=1", "nosection"),
+    ("trainer.lora.rank=-1", "trainer.lora.rank"),
+    ("trainer.lora.alpha=0", "trainer.lora.alpha"),
+    ("trainer.lora.lr_scale=0", "trainer.lora.lr_scale"),
+    ("trainer.lora.targets=[]", "trainer.lora.targets"),
+    ("trainer.lora.targets=[\"all-linear\", \"q_proj\"]", "trainer.lora.targets"),
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):
         load_config(overrides=[override], environ={})
+
+
+def test_lora_is_off_by_default_and_scales_the_learning_rate_when_on():
+    config = load_config(environ={})
+    assert config.trainer.lora.rank == 0 and config.trainer.optimizer_learning_rate == config.trainer.learning_rate
+    lora = load_config(overrides=["trainer.lora.rank=8", "trainer.lora.lr_scale=4"],
+                       environ={"SAO__TRAINER__LEARNING_RATE": "2e-5"})
+    assert lora.trainer.optimizer_learning_rate == pytest.approx(8e-5)
 
 
 def test_malformed_override_and_missing_file(tmp_path):

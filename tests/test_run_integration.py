@@ -6,7 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from sao.config import load_config
+from sao.policy.chain import read_version_into, read_version_state
+from sao.policy.lora import add_lora, attach_adapter_merge
+from sao.policy.weights import build_policy
+from sao.run_dir import RunDir
 from support.shadow_env import shadow_on
 
 
@@ -125,3 +131,49 @@ def test_grpo_baseline_runs_synchronously_on_whole_groups(tmp_path):
         ids = json.loads(line)["trajectory_ids"]
         tasks = [tid.split("#")[0] for tid in ids]
         assert all(tasks.count(task) == 2 for task in tasks), ids  # whole groups only
+
+
+@pytest.mark.slow
+def test_sao_run_trains_lora_adapters_and_every_reader_merges_them(tmp_path):
+    """trainer.lora.rank > 0 end to end: samplers, the held-out scorer and shadow validation all read adapters."""
+    run_dir = tmp_path / "run"
+    tasks = 8
+    command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", str(tasks),
+               "--samplers", "1", "--run-dir", str(run_dir), "--set", "trainer.lora.rank=8",
+               "--set", "trainer.batch_size=4", "--set", "run.max_trajectories_in_flight=4",
+               "--set", "policy.max_new_tokens=8", "--set", "run.timeout_s=400",
+               "--set", "run.heldout_cap=3", "--set", f"run.heldout_cache_dir=\"{tmp_path / 'heldout-cache'}\"",
+               "--set", "trainer.shadow_every=1", "--set", "trainer.shadow_tasks=3",
+               "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=500, env=shadow_on())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trajectories_trained"] == tasks and summary["policy_version"] == tasks // 4
+    assert summary["sampler_reloads"] >= 1 and summary["max_behaviour_version"] >= 1
+    assert abs(summary["importance_ratio_mean"] - 1) < 0.05
+    sidecars = [json.loads(path.read_text()) for path in (run_dir / "policy").glob("policy-v*.json")]
+    assert sidecars and all(sidecar["content"] == "lora" for sidecar in sidecars)
+    heldout = json.loads((run_dir / "eval" / "heldout.json").read_text())
+    assert heldout["final_version"] == summary["policy_version"] and len(heldout["per_task"]) == 3
+    board = json.loads((run_dir / "shadow" / "board.json").read_text())
+    assert str(summary["policy_version"]) in board["scores"]
+    _check_final_adapters(run_dir, summary["policy_version"])
+
+
+def _check_final_adapters(run_dir, version: int) -> None:
+    """The final version as the readers merge it into a plain model computes what the trainer's peft model with
+    the published adapters computes, and differs from the base model (the adapters learned)."""
+    config = load_config(run_dir / "config.toml", environ={})
+    published = read_version_state(RunDir(run_dir), version)
+    width = published["projector.weight"].shape[1]
+    base = build_policy(config.policy, width).eval()
+    trainer_side = build_policy(config.policy, width).eval()
+    add_lora(trainer_side, config.trainer.lora)
+    trainer_side.load_state_dict(published, strict=False)
+    sampler_side = attach_adapter_merge(build_policy(config.policy, width).eval(), config.trainer.lora)
+    read_version_into(sampler_side, RunDir(run_dir), version)
+    tokens = torch.randint(0, base.lm.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged, peft, before = (policy.lm(input_ids=tokens).logits for policy in (sampler_side, trainer_side, base))
+    torch.testing.assert_close(merged, peft, rtol=1e-5, atol=1e-5)
+    assert float((merged - before).abs().max()) > 1e-3

@@ -58,6 +58,17 @@ def test_task_and_announcement_round_trip():
     assert decode(encode(ann), PolicyAnnouncement) == ann
 
 
+def test_an_adapter_announcement_says_so_is_signed_so_and_other_contents_are_refused():
+    whole = PolicyAnnouncement(policy_version=4, weights_path="/w.safetensors", sha256="ab" * 32, num_bytes=10,
+                               trainer_step=8)
+    adapters = replace(whole, content="lora")
+    assert "content" not in whole.to_wire() and adapters.to_wire()["content"] == "lora"
+    assert decode(encode(adapters), PolicyAnnouncement) == adapters
+    assert adapters.signed_fields() != whole.signed_fields()  # relabelling the content breaks the signature
+    with pytest.raises(SchemaError, match="content"):
+        PolicyAnnouncement.from_wire({**adapters.to_wire(), "content": "merged"})
+
+
 def test_arrays_are_plain_msgpack_readable_without_sao():
     obj = msgpack.unpackb(encode(make_trajectory()), raw=False)
     assert obj["schema"] == SCHEMA_VERSION == 2 and obj["kind"] == "trajectory"

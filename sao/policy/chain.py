@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from sao.policy.deltas import apply_changes, read_delta, state_sha256
 from sao.policy.model import MemoryPolicy
-from sao.policy.weights import WeightsMismatch, read_weights_into, verified_file
+from sao.policy.weights import WeightsMismatch, check_content, load_published, read_weights_into, verified_file
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
 
@@ -44,10 +44,12 @@ def read_version_into(policy: MemoryPolicy, run_dir: RunDir, version: int) -> No
     what its sidecar says.
     """
     snapshot, deltas = _chain_back(run_dir, version)
+    for announcement in (snapshot, *deltas):
+        check_content(policy, announcement)
     state = read_weights_into(policy, run_dir.weights(snapshot.policy_version), snapshot.sha256)
     _apply_deltas(state, run_dir, deltas)
     if deltas:
-        policy.load_state_dict(state, strict=False)
+        load_published(policy, state)
 
 
 def read_version_state(run_dir: RunDir, version: int) -> dict[str, torch.Tensor]:

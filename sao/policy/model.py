@@ -12,6 +12,7 @@ batches of steps in the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 from sao.policy.context import TurnInput
 from sao.policy.sampling import StopRule, nucleus
+
+if TYPE_CHECKING:
+    from sao.policy.lora import AdapterMerge
 
 
 @dataclass
@@ -118,6 +122,8 @@ class MemoryPolicy(nn.Module):
         if self.value_head is not None:
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
+        # A sampler of a LoRA run merges published adapters into this plain model (sao/policy/lora.py).
+        self.adapters: AdapterMerge | None = None
 
     def _embed(self, token_ids: torch.Tensor, memory_vectors: torch.Tensor, memory_mask: torch.Tensor) -> torch.Tensor:
         token_embeds = self.lm.get_input_embeddings()(token_ids)

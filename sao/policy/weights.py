@@ -2,8 +2,8 @@
 
 A file named by an announcement is untrusted input (docs/design.md, "Trust boundaries"). It
 must be the run's file for its version, directly inside the policy folder, a regular file of
-bounded size whose sha256 matches, holding exactly the model's tensors, all finite; each check runs before
-anything that would need it, so no check reads more than the previous one allowed.
+bounded size whose sha256 matches, holding exactly the model's tensors (a LoRA run's: its adapters),
+all finite; each check runs before anything that would need it, so no check reads more than the previous one allowed.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from sao.policy.loading import load_language_model
 from sao.policy.model import MemoryPolicy
 from sao.policy.projector import apply_projector_setting
 from sao.run_dir import RunDir
+from sao.schema import PolicyAnnouncement
 
 logger = logging.getLogger(__name__)
 _CHUNK_BYTES = 8 << 20
@@ -110,8 +111,31 @@ def read_weights_into(policy: MemoryPolicy, path: Path | str, sha256: str, *, nu
     """
     with verified_file(path, sha256, num_bytes=num_bytes, max_bytes=max_bytes) as source:
         state = _checked_tensors(policy, source, path)
-    policy.load_state_dict(state, strict=False)  # names and shapes were checked; only the tied alias may be absent
+    load_published(policy, state)
     return state
+
+
+def check_content(policy: MemoryPolicy, announcement: PolicyAnnouncement) -> None:
+    """WeightsMismatch (`content`) unless the announced version holds what `policy` loads: adapters or whole weights."""
+    expected = "lora" if policy.adapters is not None else "full"
+    if announcement.content != expected:
+        raise WeightsMismatch(f"policy v{announcement.policy_version} holds {announcement.content} weights, but this "
+                              f"process loads {expected} ones: trainer.lora must be the run's (RUN_DIR/config.toml)",
+                              "content")
+
+
+def published_layout(policy: MemoryPolicy) -> dict[str, torch.Tensor]:
+    """The tensors a published version of `policy` holds (names, shapes, kinds): a LoRA run's adapters and
+    projector (sao/policy/lora.py), else the model's whole state."""
+    return policy.adapters.layout() if policy.adapters is not None else policy.state_dict()
+
+
+def load_published(policy: MemoryPolicy, state: dict[str, torch.Tensor]) -> None:
+    """Load a checked published state into `policy`: merge a LoRA run's adapters, else the weights themselves."""
+    if policy.adapters is not None:
+        policy.adapters.load(state)
+    else:
+        policy.load_state_dict(state, strict=False)  # names and shapes were checked; only the tied alias may be absent
 
 
 @contextmanager
@@ -187,7 +211,7 @@ def _reopenable_name(fd: int, path: Path | str) -> str:
 
 def _checked_tensors(policy: MemoryPolicy, source: str, path: Path | str) -> dict[str, torch.Tensor]:
     """The file's tensors, read only after its header names exactly the model's, with its shapes and float dtypes."""
-    model = policy.state_dict()
+    model = published_layout(policy)
     optional = {name for name in model if _is_tied_alias(policy, name)}
     try:
         with safe_open(source, framework="pt") as handle:

@@ -21,6 +21,7 @@ from sao.envs.registry import generation_settings, make_env
 from sao.policy.chat import ChatFormat, turn_text
 from sao.policy.context import TurnInput, turn_tokens
 from sao.policy.loading import load_tokenizer, resolve_model_path
+from sao.policy.lora import attach_adapter_merge
 from sao.policy.model import MemoryPolicy
 from sao.policy.vllm_engine import VllmEngine, vllm_installed
 from sao.policy.weights import build_policy, place_for_sampling
@@ -135,7 +136,8 @@ class Roller:
     @classmethod
     def from_config(cls, config: SaoConfig, sampler_id: str, seed: int = 0) -> Roller:
         """What `config` names, loaded: the encoder, the temporal filter, the memory bottleneck, and version 0 of
-        the policy (its projector composed with the bottleneck) placed for sampling. Samplers and the held-out
+        the policy (its projector composed with the bottleneck) placed for sampling, set to merge a LoRA run's
+        published adapters (sao/policy/lora.py). Samplers and the held-out
         scorer start here, so both read memory exactly as the trainer expects it."""
         encoder = load_encoder(config.compression.encoder)
         temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
@@ -143,7 +145,7 @@ class Roller:
         logger.info(describe(bottleneck, encoder.dim))
         policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
                               bottleneck=bottleneck)
-        policy = place_for_sampling(policy, config.sampler.device)
+        policy = attach_adapter_merge(place_for_sampling(policy, config.sampler.device), config.trainer.lora)
         return cls(config, policy, encoder, temporal_filter, sampler_id, seed, bottleneck=bottleneck,
                    engine=_engine_for(config, policy, seed))
 

@@ -5,7 +5,8 @@ place, to the held copy of the published state and to the model, only when its b
 version and its base sha256 the held state's; after applying, the held state must hash to the
 delta's result, or the change is undone and the delta refused. A base that does not match means
 the held state is not what the trainer thinks it is: the sampler drops it (a re-sync) and comes
-back through the newest snapshot and the deltas after it.
+back through the newest snapshot and the deltas after it. A LoRA run's state is its adapters: the
+model is merged again from the held state after each delta (sao/policy/lora.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from sao.metrics import record_policy_applied, record_policy_resync
 from sao.policy.deltas import apply_changes, read_delta, state_sha256
 from sao.policy.model import MemoryPolicy
-from sao.policy.weights import WeightsMismatch, read_weights_into
+from sao.policy.weights import WeightsMismatch, check_content, load_published, read_weights_into
 from sao.schema import PolicyAnnouncement
 
 
@@ -65,6 +66,7 @@ class WeightSync:
         """Bring the model to `announcement`'s version with its file (at most `max_bytes`); WeightsMismatch or
         OSError leave it as it was."""
         started = time.perf_counter()
+        check_content(self.policy, announcement)
         if announcement.kind == "delta":
             self._apply_delta(announcement, path, max_bytes)
         else:
@@ -97,8 +99,11 @@ class WeightSync:
             apply_changes(self.held, replaced)
             raise WeightsMismatch("applied to the held state it does not give the announced state_sha256",
                                   "result-sha256")
-        model = self.policy.state_dict()  # views of the parameters: writing into them changes the model
-        apply_changes(model, changes)
+        if self.policy.adapters is not None:  # a LoRA run's adapters: every adapted layer is merged again
+            load_published(self.policy, self.held)
+        else:
+            model = self.policy.state_dict()  # views of the parameters: writing into them changes the model
+            apply_changes(model, changes)
         self.held_sha256 = announcement.state_sha256
 
     def resync(self) -> None:

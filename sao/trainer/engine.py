@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from sao.config import TrainerConfig
+from sao.policy.lora import trainable_state
 from sao.policy.weights import unique_state_dict
 from sao.transport.broker import free_port
 
@@ -96,14 +97,16 @@ def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
 
 
 def build_engine(model: torch.nn.Module, trainer: TrainerConfig):
-    """Wrap `model` in a ZeRO-3 engine with torch AdamW; returns the DeepSpeed engine."""
+    """Wrap `model` in a ZeRO-3 engine with torch AdamW over its trainable parameters (a LoRA policy's adapters and
+    projector); returns the DeepSpeed engine."""
     import deepspeed
 
     if trainer.warmup_steps and "scheduler" in user_deepspeed_config(trainer):
         raise ValueError("trainer.warmup_steps: set it or a DeepSpeed scheduler in trainer.deepspeed, not both "
                          "(each would set the learning rate)")
     init_distributed()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay,
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=trainer.optimizer_learning_rate, weight_decay=trainer.weight_decay,
                                   fused=trainer.fused_adamw or None)
     with _without_setup_waste():
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
@@ -113,11 +116,11 @@ def build_engine(model: torch.nn.Module, trainer: TrainerConfig):
 
 
 def learning_rate_at(trainer: TrainerConfig, step: int) -> float:
-    """The learning rate of optimizer step `step` (1 = the first): `trainer.learning_rate` after a
+    """The learning rate of optimizer step `step` (1 = the first): `trainer.optimizer_learning_rate` after a
     linear warm-up over `trainer.warmup_steps`."""
     if step >= trainer.warmup_steps:
-        return trainer.learning_rate
-    return trainer.learning_rate * max(step, 1) / trainer.warmup_steps
+        return trainer.optimizer_learning_rate
+    return trainer.optimizer_learning_rate * max(step, 1) / trainer.warmup_steps
 
 
 def set_learning_rate(engine, learning_rate: float) -> None:
@@ -185,6 +188,15 @@ def gather_full_state(engine) -> dict[str, torch.Tensor]:
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         # Copy inside the context: outside it the partitioned tensors are empty again.
         return unique_state_dict(engine.module.state_dict())
+
+
+def gather_adapter_state(engine) -> dict[str, torch.Tensor]:
+    """A LoRA policy's published tensors (sao/policy/lora.py), gathered alone (cloned fp32, CPU); every rank joins."""
+    import deepspeed
+
+    state = trainable_state(engine.module)
+    with deepspeed.zero.GatheredParameters(list(state.values()), modifier_rank=None):
+        return unique_state_dict(state)
 
 
 def shutdown() -> None:

@@ -29,6 +29,7 @@ from sao.compression.bottleneck import basis_name, describe, memory_width, resol
 from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import turn_credit
+from sao.policy.lora import add_lora
 from sao.policy.weights import build_policy, frozen_copy
 from sao.run_dir import RunDir
 from sao.schema import Trajectory
@@ -93,7 +94,7 @@ class Trainer:
         self.buffer = self._replay_buffer()
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
-        self.step_learning_rate = config.trainer.learning_rate  # the rate the latest step used
+        self.step_learning_rate = config.trainer.optimizer_learning_rate  # the rate the latest step used
         self.run_started: float | None = None  # perf_counter at the start of `run`
         self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
         self.stopping = False
@@ -121,6 +122,8 @@ class Trainer:
             policy, self.memory_width, config, basis_name(bottleneck))
         # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
         self.base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
+        if config.trainer.lora.rank:
+            add_lora(policy, config.trainer.lora)
         self._started("model")
         # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
         # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
@@ -161,7 +164,8 @@ class Trainer:
             weights = WeightsSender(producer, self.bootstrap, self.config.topics.weights, self.config.policy.chunk_bytes,
                                     chain_length=cfg.snapshot_every if cfg.publish_deltas else 1)
         publisher = PolicyPublisher(producer, self.config.topics.policy, self.run_dir, cfg.keep_versions,
-                                    cfg.publish_dtype, cfg.publish_deltas, cfg.snapshot_every, weights)
+                                    cfg.publish_dtype, cfg.publish_deltas, cfg.snapshot_every, weights,
+                                    lora=cfg.lora.rank > 0)
         if self.shadow is not None:
             publisher.pinned = self.shadow.pinned
         return publisher

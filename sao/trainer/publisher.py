@@ -3,7 +3,8 @@
 Weights go to the trainer's policy folder. With `policy.transport = "folder"` samplers read them
 there (local disk for `sao run`, a shared volume or mount in a cluster) and only the small
 announcement travels through Kafka; with "kafka" each file also travels in chunks on the weights
-topic (sao/transport/weights.py) before its announcement, which names where. Each version is written
+topic (sao/transport/weights.py) before its announcement, which names where. A LoRA run
+(`trainer.lora.rank` > 0) publishes only its adapters and projector (sao/policy/lora.py). Each version is written
 whole in `trainer.publish_dtype`, or with `trainer.publish_deltas` as a sparse delta on the
 version before (sao/policy/deltas.py) with a whole snapshot every `trainer.snapshot_every`
 versions, first in each trainer's life, and whenever the delta would be over half a whole
@@ -35,7 +36,7 @@ from sao.policy.deltas import (
 from sao.policy.weights import write_weights
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
-from sao.trainer.engine import gather_full_state
+from sao.trainer.engine import gather_adapter_state, gather_full_state
 from sao.transport.announcements import announce, ensure_announce_key, sign
 from sao.transport.weights import WeightsSender
 
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 class PolicyPublisher:
     def __init__(self, producer, topic: str, run_dir: RunDir, keep_versions: int, publish_dtype: str = "fp32",
                  deltas: bool = False, snapshot_every: int = 1, weights: WeightsSender | None = None,
-                 max_delta_share: float = DELTA_MAX_SNAPSHOT_SHARE):
+                 max_delta_share: float = DELTA_MAX_SNAPSHOT_SHARE, lora: bool = False):
         self.producer = producer
         self.weights = weights  # policy.transport = "kafka": every file travels in chunks before its announcement
         self.topic = topic
@@ -55,6 +56,7 @@ class PolicyPublisher:
         self.deltas = deltas
         self.snapshot_every = snapshot_every
         self.max_delta_share = max_delta_share
+        self.content = "lora" if lora else "full"  # lora: only the adapters and the projector are published
         # The last published state (publish dtype), its version, hash, and the version of the snapshot it rests on.
         self.previous: dict[str, torch.Tensor] | None = None
         self.previous_version = self.previous_sha256 = self.snapshot_version = None
@@ -65,7 +67,7 @@ class PolicyPublisher:
 
     def publish(self, engine, version: int, trainer_step: int) -> PolicyAnnouncement | None:
         """Collective: every rank must call it. Rank 0 writes and announces; others get None."""
-        state = gather_full_state(engine)
+        state = gather_adapter_state(engine) if self.content == "lora" else gather_full_state(engine)
         if torch.distributed.get_rank() != 0:
             return None
         # Samplers act with the policy only; the trainer's value head stays in its checkpoints.
@@ -94,7 +96,8 @@ class PolicyPublisher:
             facts["chunks"] = self.weights.send(path, version, facts["sha256"])
             metrics.record_weights_sent(time.perf_counter() - started)
         announcement = PolicyAnnouncement(policy_version=version, weights_path=str(path.resolve()),
-                                          num_bytes=path.stat().st_size, trainer_step=trainer_step, **facts)
+                                          num_bytes=path.stat().st_size, trainer_step=trainer_step,
+                                          content=self.content, **facts)
         announcement = sign(announcement, self.key)
         # The same facts next to the file, so `sao eval` can verify a version without Kafka.
         self.run_dir.weights_sidecar(version).write_text(json.dumps(announcement.to_wire()))

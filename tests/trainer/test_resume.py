@@ -39,10 +39,12 @@ def effective_ledger(path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap, unique_topic_prefix, tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap, unique_topic_prefix, tmp_path,
+                                                                lora_rank):
     ids = produce_trajectories(kafka_bootstrap, unique_topic_prefix)
     config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
-    write_config(config, unique_topic_prefix)
+    write_config(config, unique_topic_prefix, trainer_toml=f"lora = {{ rank = {lora_rank} }}")
     first = subprocess.Popen(trainer_command(config, kafka_bootstrap, run_dir), stdout=subprocess.DEVNULL,
                              stderr=open(tmp_path / "first.log", "w"))
     wait_for_step(run_dir / "status" / "trainer.json", 2, first)
@@ -62,9 +64,11 @@ def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap,
                         / "sao_state.json").read_text())
     assert state["handled"] == TOTAL + 1  # 18 trained + 1 malformed message dead-lettered
     # No version number is announced twice: the resumed trainer continues above the crashed one's.
-    versions = [decode(m.value(), PolicyAnnouncement).policy_version
-                for m in read_all(kafka_bootstrap, f"{unique_topic_prefix}.policy")]
+    announcements = [decode(m.value(), PolicyAnnouncement) for m in read_all(kafka_bootstrap,
+                                                                              f"{unique_topic_prefix}.policy")]
+    versions = [a.policy_version for a in announcements]
     assert len(versions) == len(set(versions)) and max(versions) == state["policy_version"]
+    assert {a.content for a in announcements} == {"lora" if lora_rank else "full"}  # both lives publish alike
 
 
 @pytest.mark.slow
