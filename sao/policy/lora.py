@@ -11,8 +11,6 @@ tensors a published file must hold, follows from the config and the base model, 
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
 from torch import nn
 
 from sao.config import LORA_ALL_LINEAR, LoraConfig
@@ -44,6 +42,9 @@ def adapter_names(module: str) -> tuple[str, str]:
 def add_lora(policy: MemoryPolicy, lora: LoraConfig) -> None:
     """Inject LoRA adapters into `policy.lm` in place and freeze its base weights; the projector (and a value
     head) stay trainable. B starts at zero, so the policy computes exactly what it did."""
+    from peft import LoraConfig as PeftLoraConfig  # imported here: seconds of start-up that only LoRA runs need
+    from peft import inject_adapter_in_model
+
     modules = adapted_linears(policy.lm, lora.targets)
     policy.lm.requires_grad_(False)
     # Exact module names, not peft's own matching: the sampler's AdapterMerge picks the same layers.
