@@ -226,7 +226,8 @@ def main() -> None:
                       f"{costs[c]['slots']:.1f}", f"{costs[c]['positions_vs_full']:.2f}",
                       f"{costs[c]['bytes_vs_full']:.2f}")
     console.print(table)
-    console.print(f"retention (sao - recent) / (full - recent): {kept['value']:.2f} ± {kept['se'] or float('nan'):.2f}; "
+    kept_se = "n/a" if kept["se"] is None else f"{kept['se']:.2f}"
+    console.print(f"retention (sao - recent) / (full - recent): {kept['value']:.2f} ± {kept_se}; "
                   f"content, sao - another episode's memory: success {content['success']['difference']:+.3f} ± "
                   f"{content['success']['se']:.3f}, NLL {content['nll']['difference']:+.3f} ± "
                   f"{content['nll']['se']:.3f} nats/token: "
