@@ -118,7 +118,41 @@ def _prompt_logprobs(engine: VllmEngine, tokens: list[int]) -> np.ndarray:
     return np.asarray([step[token].logprob for token, step in zip(tokens[1:], output.prompt_logprobs[1:])])
 
 
-def test_three_in_place_reloads_match_the_weights_loaded(engine, config, policy, base_weights):
+_FRESH_ENGINE = """
+import json, sys
+from vllm import LLM, SamplingParams
+folder, tokens = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(model=folder, dtype="float32", max_model_len=int(sys.argv[3]), enforce_eager=True, seed=0)
+out = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+print("LOGPROBS" + json.dumps([step[t].logprob for t, step in zip(tokens[1:], out.prompt_logprobs[1:])]))
+"""
+
+
+def _fresh_engine_logprobs(policy, tokenizer_dir, tokens: list[int], folder) -> np.ndarray:
+    """The same prompt log-probs from a vLLM engine that loads the policy's weights from files, in a process of
+    its own (one process holds one engine): a fresh load, no reload involved."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from sao.policy.vllm_engine import _TOKENIZER_FILES
+
+    policy.lm.save_pretrained(folder, safe_serialization=True)
+    for name in _TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run([sys.executable, "-c", _FRESH_ENGINE, str(folder), json.dumps(tokens),
+                             str(policy.lm.config.max_position_embeddings)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("LOGPROBS"))
+    return np.asarray(json.loads(line.removeprefix("LOGPROBS")))
+
+
+def test_three_in_place_reloads_match_the_weights_loaded(engine, config, policy, base_weights, tmp_path):
     """Each push is checked on the probe; after three the engine scores like the HF model holding the last
     weights, and like a fresh engine started from them (the tied embedding / output layer included: it
     alone is moved the third time, so an engine that kept its old output layer fails both)."""
@@ -134,12 +168,9 @@ def test_three_in_place_reloads_match_the_weights_loaded(engine, config, policy,
     assert engine.check_probe() <= 1e-4
     tokens = np.random.default_rng(1).integers(200, 20000, 96).tolist()
     reloaded = _prompt_logprobs(engine, tokens)
-    fresh = VllmEngine(policy, resolve_model_path(config.policy.model, config.policy.cache_dir), seed=0,
-                       kv_cache_gib=1)
-    try:
-        gaps = np.abs(reloaded - _prompt_logprobs(fresh, tokens))
-    finally:
-        del fresh
+    fresh = _fresh_engine_logprobs(policy, resolve_model_path(config.policy.model, config.policy.cache_dir), tokens,
+                                   tmp_path)
+    gaps = np.abs(reloaded - fresh)
     assert gaps.max() <= 1e-4, (gaps.mean(), gaps.max())
     # And the check bites: weights the engine was not given fail it.
     with torch.no_grad():
