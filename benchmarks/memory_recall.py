@@ -29,10 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded as a module by the tests
+import recall_calibration  # the recall episodes as text: one walk for both benchmarks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -44,35 +48,15 @@ CONTENT_STDERRS = 3.0  # how far above another episode's memory sao must be to s
 
 
 def questions_with_memory(roller, spec: dict) -> list[dict]:
-    """Each question of one episode: its fact's value, distance in turns from the fact, the text contexts
-    (full, recent) and the memory slots the sampler's compressor holds when it is asked."""
+    """Each question of one episode as `recall_calibration.questions_of` builds it (value, distance, the full and
+    recent text contexts), with the memory slots the sampler's compressor holds when it is asked."""
     from sao.compression.pipeline import OnlineCompressor
-    from sao.envs.recall import build_episode
-    from sao.policy.chat import turn_text
-    from sao.policy.context import turn_tokens
 
-    chat, window = roller.chat, roller.config.compression.recent_window
+    window = roller.config.compression.recent_window
     compressor = OnlineCompressor(roller.encoder, roller.temporal_filter.fork(), recent_window=window,
                                   bottleneck=roller.bottleneck)
-    episode = build_episode(spec)
-    turns = episode.turns
-    stated_at = {turn.text: index for index, turn in enumerate(turns)}
-    prompt_ids, observation_ids = chat.prompt(turns[0].text), chat.first_observation(turns[0].text)
-    finished: list[tuple[np.ndarray, np.ndarray]] = []
-    found = []
-    for index, turn in enumerate(turns):
-        if turn.fact is not None:
-            found.append({"value": turn.fact.value, "stated": episode.values, "episode": spec["index"],
-                          "distance": index - stated_at[turn.fact.statement], "prompt_ids": prompt_ids,
-                          "full_ids": turn_tokens(finished, observation_ids, len(finished)),
-                          "recent_ids": turn_tokens(finished, observation_ids, window),
-                          "memory": compressor.dequantized(compressor.visible_slots())})
-        action_ids = chat.action_ids(turn.reply)
-        finished.append((observation_ids, action_ids))
-        if index + 1 < len(turns):
-            compressor.finish_turn(turn_text(turn.text, turn.reply), 0.0)
-            observation_ids = chat.feedback_observation(turns[index + 1].text, action_ids)
-    return found
+    questions = recall_calibration.questions_of(roller.chat, spec, window, roller.policy.memory_width, compressor)
+    return [{**question, "episode": spec["index"]} for question in questions]
 
 
 def another_episodes_memory(questions: list[dict], index: int) -> np.ndarray:
@@ -91,17 +75,16 @@ def contexts_of(questions: list[dict], width: int) -> dict[str, list]:
     """The TurnInput of every question under each context."""
     from sao.policy.context import TurnInput
 
-    no_action, no_memory = np.zeros(0, np.int32), np.zeros((0, width), np.float32)
     slots = [q["memory"] for q in questions if len(q["memory"])]
     mean_slot = np.concatenate(slots).mean(axis=0) if slots else np.zeros(width, np.float32)
     memories = {"sao": [q["memory"] for q in questions],
                 "other": [another_episodes_memory(questions, i) for i in range(len(questions))],
                 "zero": [np.zeros_like(q["memory"]) for q in questions],
                 "mean": [np.tile(mean_slot, (len(q["memory"]), 1)).astype(np.float32) for q in questions]}
-    inputs = {"full": [TurnInput(q["prompt_ids"], no_memory, q["full_ids"], no_action) for q in questions],
-              "recent": [TurnInput(q["prompt_ids"], no_memory, q["recent_ids"], no_action) for q in questions]}
+    inputs = {c: [q["inputs"][c] for q in questions] for c in ("full", "recent")}
     for context, memory in memories.items():
-        inputs[context] = [TurnInput(q["prompt_ids"], m, q["recent_ids"], no_action) for q, m in zip(questions, memory)]
+        inputs[context] = [TurnInput(r.prompt_ids, m, r.context_ids, r.action_ids)
+                           for r, m in zip(inputs["recent"], memory)]
     return inputs
 
 
@@ -179,7 +162,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from recall_calibration import answer_all, summary
     from rich.console import Console
     from rich.table import Table
 
@@ -203,9 +185,11 @@ def main() -> None:
     answers_ids = [chat.action_ids(q["value"]) for q in questions]
     success, nll, answers = {}, {}, {}
     for context in CONTEXTS:
-        answers[context] = answer_all(policy, chat, inputs[context], roller.generation.max_new_tokens, args.batch)
+        answers[context] = recall_calibration.answer_all(policy, chat, inputs[context],
+                                                         roller.generation.max_new_tokens, args.batch)
         success[context] = [float(answer_matches(a, q["value"], q["stated"])) for a, q in zip(answers[context], questions)]
         nll[context] = answer_nll(policy, inputs[context], answers_ids, args.batch)
+    summary = recall_calibration.summary
     figures = {c: {**summary(success[c]), "nll": float(np.mean(nll[c])), "nll_se": summary(nll[c])["se"]}
                for c in CONTEXTS}
     costs = context_costs(inputs, width)

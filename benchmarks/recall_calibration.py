@@ -34,10 +34,13 @@ CONTEXTS = ("full", "recent")
 DISTANCE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 256))  # turns from the fact to its question
 
 
-def questions_of(chat, spec: dict, recent_window: int, memory_width: int) -> list[dict]:
+def questions_of(chat, spec: dict, recent_window: int, memory_width: int, compressor=None) -> list[dict]:
     """Each question of one episode: its fact's value, the distance in turns from the fact, and the
-    TurnInput of each context. Replies before it are teacher-forced: what the rules ask for (`Turn.reply`)."""
+    TurnInput of each context. Replies before it are teacher-forced: what the rules ask for (`Turn.reply`).
+    With a sampler's `compressor` (an OnlineCompressor) every finished turn is also fed to it as an episode
+    feeds it, and each question gets `memory`: the slots it holds visible when the question is asked."""
     from sao.envs.recall import build_episode
+    from sao.policy.chat import turn_text
     from sao.policy.context import TurnInput, turn_tokens
 
     episode = build_episode(spec)
@@ -54,9 +57,13 @@ def questions_of(chat, spec: dict, recent_window: int, memory_width: int) -> lis
             found.append({"value": turn.fact.value, "stated": episode.values, "distance": index - stated_at[turn.fact.statement],
                           "inputs": {c: TurnInput(prompt_ids, no_memory, turn_tokens(finished, observation_ids, w),
                                                   np.zeros(0, np.int32)) for c, w in windows.items()}})
+            if compressor is not None:
+                found[-1]["memory"] = compressor.dequantized(compressor.visible_slots())
         action_ids = chat.action_ids(turn.reply)
         finished.append((observation_ids, action_ids))
         if index + 1 < len(turns):
+            if compressor is not None:
+                compressor.finish_turn(turn_text(turn.text, turn.reply), 0.0)
             observation_ids = chat.feedback_observation(turns[index + 1].text, action_ids)
     return found
 

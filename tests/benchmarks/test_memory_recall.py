@@ -37,8 +37,8 @@ def test_the_memory_at_a_question_is_what_a_sampler_episode_holds_there(roller):
         seen = episode.next_input()
         assert len(question["memory"]) > 0
         np.testing.assert_array_equal(question["memory"], seen.memory)
-        np.testing.assert_array_equal(question["recent_ids"], seen.context_ids)
-        np.testing.assert_array_equal(question["prompt_ids"], seen.prompt_ids)
+        np.testing.assert_array_equal(question["inputs"]["recent"].context_ids, seen.context_ids)
+        np.testing.assert_array_equal(question["inputs"]["recent"].prompt_ids, seen.prompt_ids)
 
 
 def test_controls_keep_the_slot_count_and_another_episode_is_another(roller):

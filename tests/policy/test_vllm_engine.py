@@ -133,16 +133,12 @@ def _fresh_engine_logprobs(policy, tokenizer_dir, tokens: list[int], folder) -> 
     its own (one process holds one engine): a fresh load, no reload involved."""
     import json
     import os
-    import shutil
     import subprocess
     import sys
 
-    from sao.policy.vllm_engine import _TOKENIZER_FILES
+    from sao.policy.vllm_engine import write_model_folder
 
-    policy.lm.save_pretrained(folder, safe_serialization=True)
-    for name in _TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, folder / name)
+    write_model_folder(policy, tokenizer_dir, folder)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     result = subprocess.run([sys.executable, "-c", _FRESH_ENGINE, str(folder), json.dumps(tokens),
                              str(policy.lm.config.max_position_embeddings)],
