@@ -1,5 +1,5 @@
-"""The `sao` command line: run, sampler, trainer, feed, topics, inspect, audit, eval, shadow, bench, broker, config,
-compression.
+"""The `sao` command line: run, sampler, trainer, feed, topics, inspect, audit, eval, export, shadow, bench, broker,
+config, compression.
 
 Every flag maps onto one field of the typed config (`sao/config.py`); `--set section.knob=value`
 reaches any other field (every command but `broker` and `bench` takes `--config` and `--set`).
@@ -28,6 +28,7 @@ from rich.table import Table
 
 from sao.config import ConfigError, SaoConfig, load_config, to_toml
 from sao.offline.compression_cli import compression_app
+from sao.run_dir import RunDir
 
 # Each command imports what it runs inside its function: `sao` loads this module for every command, and
 # torch, transformers and deepspeed take seconds to import (tests/test_cli_startup.py keeps them out).
@@ -354,6 +355,41 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
         value = result[key]
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     Console().print(table)
+
+
+@app.command()
+def export(run_dir: Annotated[Path, typer.Option(help="Run directory whose policy/ holds the versions.")],
+           out: Annotated[Path, typer.Option(help="Folder to write (new or empty): an HF model folder.")],
+           version: Annotated[str, typer.Option(
+               help="best (the version shadow validation kept), final (the newest published) or a version "
+                    "number (0 = the base model).")] = "best",
+           config: Annotated[Path | None, typer.Option(
+               "--config", "-c", help="The run's TOML config (default: RUN_DIR/config.toml).")] = None,
+           set_: SetOpt = None) -> None:
+    """Write a published version as a plain Hugging Face model folder: deltas applied, LoRA adapters merged,
+    tokenizer included; the memory projector beside it (sao-memory.safetensors)."""
+    _setup_logging()
+    if config is None and RunDir(run_dir).config.is_file():
+        config = RunDir(run_dir).config
+    cfg = _config(config, set_)
+    from sao.policy.export import export_version
+    from sao.policy.weights import WeightsMismatch
+    from sao.sampler.evaluation import best_version
+    from sao.sampler.rollout import sampling_policy
+
+    try:
+        if version == "best":
+            number = best_version(run_dir)
+        elif version == "final":
+            number = max(RunDir(run_dir).kept_versions(), default=0)
+        else:
+            number = _version_number(version)
+        facts = export_version(cfg, sampling_policy(cfg, device="cpu"), run_dir, number, out)
+    except (FileNotFoundError, FileExistsError, ValueError, WeightsMismatch) as err:
+        console.print(f"[red]{err}[/]")
+        raise typer.Exit(2) from err
+    console.print(f"exported v{facts['version']} ({facts['dtype']}, {facts['parameters']:,} parameters"
+                  f"{', LoRA merged' if facts['lora_merged'] else ''}) to {out}")
 
 
 def _version_number(text: str) -> int:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from sao.config import load_config
 from sao.policy.chain import read_version_into, read_version_state
@@ -157,12 +158,22 @@ def test_sao_run_trains_lora_adapters_and_every_reader_merges_them(tmp_path):
     assert heldout["final_version"] == summary["policy_version"] and len(heldout["per_task"]) == 3
     board = json.loads((run_dir / "shadow" / "board.json").read_text())
     assert str(summary["policy_version"]) in board["scores"]
-    _check_final_adapters(run_dir, summary["policy_version"])
+    sampler_side = _check_final_adapters(run_dir, summary["policy_version"])
+    # `sao export` writes that merged model as a plain HF folder, in the publish dtype (bf16).
+    out = tmp_path / "export"
+    result = subprocess.run([sys.executable, "-m", "sao.cli", "export", "--run-dir", str(run_dir), "--out", str(out),
+                             "--version", "final"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(out, torch_dtype="auto").state_dict()
+    merged = sampler_side.lm.state_dict()
+    assert exported.keys() == merged.keys()
+    assert all(torch.equal(exported[name], merged[name].to(torch.bfloat16)) for name in merged)
+    assert json.loads((out / "sao-export.json").read_text())["lora_merged"]
 
 
-def _check_final_adapters(run_dir, version: int) -> None:
+def _check_final_adapters(run_dir, version: int):
     """The final version as the readers merge it into a plain model computes what the trainer's peft model with
-    the published adapters computes, and differs from the base model (the adapters learned)."""
+    the published adapters computes, and differs from the base model (the adapters learned); returns that model."""
     config = load_config(run_dir / "config.toml", environ={})
     published = read_version_state(RunDir(run_dir), version)
     width = published["projector.weight"].shape[1]
@@ -177,3 +188,4 @@ def _check_final_adapters(run_dir, version: int) -> None:
         merged, peft, before = (policy.lm(input_ids=tokens).logits for policy in (sampler_side, trainer_side, base))
     torch.testing.assert_close(merged, peft, rtol=1e-5, atol=1e-5)
     assert float((merged - before).abs().max()) > 1e-3
+    return sampler_side

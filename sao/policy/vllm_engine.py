@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from sao.policy.context import TurnInput
+from sao.policy.export import write_model_folder
 from sao.policy.model import MemoryPolicy, collate_turns
 from sao.policy.sampling import StopRule
 
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 # bf16 implementations disagree more, so on a GPU (bf16) the check catches only gross staleness.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 PROBE_TOKENS = 64
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
 class EngineStale(RuntimeError):
@@ -65,15 +64,6 @@ def _thread_binding(threads: int) -> str:
     if len(allowed) >= (os.cpu_count() or len(allowed)):
         return "nobind"
     return ",".join(str(cpu) for cpu in allowed[:threads])
-
-
-def write_model_folder(policy: MemoryPolicy, tokenizer_dir: Path, folder: Path) -> None:
-    """The policy's language model, at its current weights, as an HF model folder vLLM can load (with the
-    tokenizer files from `tokenizer_dir`)."""
-    policy.lm.save_pretrained(folder, safe_serialization=True)
-    for name in _TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copy(Path(tokenizer_dir) / name, Path(folder) / name)
 
 
 class VllmEngine:

@@ -143,9 +143,7 @@ class Roller:
         temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
         bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)
         logger.info(describe(bottleneck, encoder.dim))
-        policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
-                              bottleneck=bottleneck)
-        policy = attach_adapter_merge(place_for_sampling(policy, config.sampler.device), config.trainer.lora)
+        policy = sampling_policy(config, encoder, bottleneck)
         return cls(config, policy, encoder, temporal_filter, sampler_id, seed, bottleneck=bottleneck,
                    engine=_engine_for(config, policy, seed))
 
@@ -225,6 +223,18 @@ class Roller:
                 if outcome is not None:
                     results[index] = outcome
                     del live[index]
+
+
+def sampling_policy(config: SaoConfig, encoder: SemanticEncoder | None = None, bottleneck: Bottleneck | None = None,
+                    device: str | None = None) -> MemoryPolicy:
+    """Version 0 of the policy as a sampler holds it: the LM and its projector composed with the memory
+    bottleneck, placed on `device` (default sampler.device), set to merge a LoRA run's published adapters."""
+    encoder = encoder or load_encoder(config.compression.encoder)
+    bottleneck = bottleneck if bottleneck is not None else resolve_bottleneck(config.compression.bottleneck,
+                                                                               encoder.name)
+    policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
+                          bottleneck=bottleneck)
+    return attach_adapter_merge(place_for_sampling(policy, device or config.sampler.device), config.trainer.lora)
 
 
 def _engine_for(config: SaoConfig, policy: MemoryPolicy, seed: int) -> VllmEngine | None:

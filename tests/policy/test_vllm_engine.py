@@ -136,7 +136,7 @@ def _fresh_engine_logprobs(policy, tokenizer_dir, tokens: list[int], folder) -> 
     import subprocess
     import sys
 
-    from sao.policy.vllm_engine import write_model_folder
+    from sao.policy.export import write_model_folder
 
     write_model_folder(policy, tokenizer_dir, folder)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
