@@ -11,7 +11,9 @@ NEXT's bf16 cast. Reported: file bytes, the share of bf16 values that changed, w
 would save on the delta, and the times of each step. Nothing is asserted but the bit-exact result.
 
 `--sync-repeats N` also times the whole sync of NEXT, trainer file to sampler model, for fp32
-whole (the folder default before bf16 deltas), bf16 whole and bf16 delta: the trainer's
+whole (the folder default before bf16 deltas), bf16 whole and bf16 delta, and a LoRA run's
+version (rank 16 on every linear layer: two adapter states of that size with random values, as
+a LoRA trainer publishes them, merged into the sampler's plain model): the trainer's
 `PolicyPublisher.write_version` (cast, write, hash; for the delta also the compare and the
 state hash) and the sampler's `WeightSync.apply` into the real policy (read, verify, load or
 apply in place, and for the delta the result-state hash). BASE is published and loaded first,
@@ -41,6 +43,8 @@ from sao.sampler.weight_sync import WeightSync
 from sao.trainer.publisher import PolicyPublisher
 
 ARMS = {"fp32_whole": ("fp32", False), "bf16_whole": ("bf16", False), "bf16_delta": ("bf16", True)}
+LORA_ARM = "lora_r16"  # trainer.lora.rank = 16 on all linear layers, published as a LoRA run publishes (bf16, deltas)
+LORA_RANK = 16
 
 
 def _timed(action):
@@ -83,9 +87,9 @@ def measure(base_path: Path, next_path: Path) -> dict:
 
 def sync_once(arm: str, base: dict, upcoming: dict, policy, folder: Path) -> dict:
     """One sync of `upcoming` in `arm`, after `base` was published and loaded: trainer and sampler seconds."""
-    dtype, deltas = ARMS[arm]
+    dtype, deltas = ARMS.get(arm, ("bf16", True))
     publisher = PolicyPublisher(None, "unused", RunDir(folder), keep_versions=3, publish_dtype=dtype, deltas=deltas,
-                                snapshot_every=10)
+                                snapshot_every=10, lora=arm == LORA_ARM)
     sampler = WeightSync(policy)
     first = publisher.write_version(base, 1, trainer_step=1)
     sampler.apply(first, Path(first.weights_path))
@@ -107,19 +111,43 @@ def measure_sync(base: dict, upcoming: dict, repeats: int) -> dict:
     width = memory_width(resolve_bottleneck(compression.bottleneck, encoder_name(compression.encoder)),
                          encoder_dim(compression.encoder))
     policy = place_for_sampling(build_policy(config.policy, width), "cpu")
-    rounds: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    lora_policy, lora_base, lora_upcoming = _lora_versions(config, width)
+    rounds: dict[str, list[dict]] = {arm: [] for arm in (*ARMS, LORA_ARM)}
     for _ in range(repeats):
-        for arm in ARMS:
+        for arm in rounds:
             with tempfile.TemporaryDirectory() as folder:
-                rounds[arm].append(sync_once(arm, base, upcoming, policy, Path(folder)))
+                if arm == LORA_ARM:
+                    rounds[arm].append(sync_once(arm, lora_base, lora_upcoming, lora_policy, Path(folder)))
+                else:
+                    rounds[arm].append(sync_once(arm, base, upcoming, policy, Path(folder)))
     summary = {}
     for arm, runs in rounds.items():
         summary[arm] = {key: statistics.median(run[key] for run in runs) for key in ("publish_s", "apply_s", "sync_s")}
         summary[arm].update(bytes=runs[0]["bytes"], sync_s_min=min(r["sync_s"] for r in runs),
                             sync_s_max=max(r["sync_s"] for r in runs), n=len(runs))
-    for arm in ARMS:
+    for arm in rounds:
         summary[arm]["sync_vs_fp32_whole"] = summary[arm]["sync_s"] / summary["fp32_whole"]["sync_s"]
     return summary
+
+
+def _lora_versions(config, width: int) -> tuple:
+    """A sampler's plain policy set to merge rank-16 adapters, and two consecutive adapter states (with the
+    projector) as a LoRA trainer publishes them: random values of a trained adapter's size, every value moved by
+    the next step (Adam moves them all), so a bf16 delta is no smaller than the whole file and goes whole."""
+    from sao.config import LoraConfig
+    from sao.policy.lora import add_lora, attach_adapter_merge, trainable_state
+    from sao.policy.weights import build_policy, place_for_sampling, unique_state_dict
+
+    lora = LoraConfig(rank=LORA_RANK)
+    trainer_side = build_policy(config.policy, width)
+    add_lora(trainer_side, lora)
+    generator = torch.Generator().manual_seed(0)
+    base = {name: 0.02 * torch.randn(t.shape, generator=generator)
+            for name, t in unique_state_dict(trainable_state(trainer_side)).items()}
+    upcoming = {name: t + 1e-3 * torch.randn(t.shape, generator=generator) for name, t in base.items()}
+    del trainer_side
+    sampler_policy = attach_adapter_merge(place_for_sampling(build_policy(config.policy, width), "cpu"), lora)
+    return sampler_policy, base, upcoming
 
 
 def main() -> None:

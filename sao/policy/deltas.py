@@ -14,6 +14,8 @@ runs before anything is applied.
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ _VARINT_MAX_BYTES = 5  # 35 bits: far beyond any tensor's length
 # A delta larger than this share of a whole file is published whole instead (sao/trainer/publisher.py): past it
 # the delta saves little, and coding and applying its positions costs more than writing and loading every value.
 DELTA_MAX_SNAPSHOT_SHARE = 0.5
+_HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -39,16 +42,25 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
 
 
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
-    """sha256 of a published state: for each tensor by name, `name NUL dtype NUL shape NUL` then its raw bytes.
+    """sha256 of a published state: over each tensor by name, `name NUL dtype NUL shape NUL` then the
+    sha256 of its raw bytes.
 
     It names what a sampler holds whatever files brought it there, so a delta can say which state it
-    applies to and which it makes; one pass over the bytes, no file written.
+    applies to and which it makes; no file written. Hashing tensor by tensor lets the bytes be hashed
+    on several cores at once (hashlib releases the GIL while it hashes a buffer).
     """
+    names = sorted(state)
+
+    def tensor_digest(name: str) -> bytes:
+        return hashlib.sha256(state[name].reshape(-1).view(torch.uint8).numpy()).digest()
+
+    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
+        digests = list(pool.map(tensor_digest, names))
     digest = hashlib.sha256()
-    for name in sorted(state):
+    for name, tensor_sha256 in zip(names, digests):
         tensor = state[name]
         digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        digest.update(tensor_sha256)
     return digest.hexdigest()
 
 
@@ -56,21 +68,21 @@ def encode_delta(base: dict[str, torch.Tensor], result: dict[str, torch.Tensor],
                  ) -> dict[str, torch.Tensor] | None:
     """The tensors of the delta file that turns `base` into `result` (same names, shapes, dtypes), or None as soon
     as they would hold more than `max_bytes` (each change costs its value and at least a byte of position)."""
-    changed_masks = {}
+    changed_positions = {}
     size = 0
     for name in sorted(result):
         bits = _BITS[result[name].dtype]
-        changed_masks[name] = result[name].reshape(-1).view(bits) != base[name].reshape(-1).view(bits)
-        size += int(changed_masks[name].sum()) * (result[name].element_size() + 1)
+        changed = result[name].reshape(-1).view(bits) != base[name].reshape(-1).view(bits)
+        changed_positions[name] = np.flatnonzero(changed.numpy())  # sorted, and counted for free
+        size += len(changed_positions[name]) * (result[name].element_size() + 1)
         if size > max_bytes:
             return None
     tensors = {}
-    for name, changed in changed_masks.items():
-        positions = torch.nonzero(changed).reshape(-1)
-        if positions.numel() == 0:
+    for name, positions in changed_positions.items():
+        if len(positions) == 0:
             continue
-        tensors[name + _GAPS] = torch.from_numpy(encode_gaps(positions.numpy()))
-        tensors[name + _VALUES] = result[name].reshape(-1)[positions].clone()
+        tensors[name + _GAPS] = torch.from_numpy(encode_gaps(positions))
+        tensors[name + _VALUES] = result[name].reshape(-1)[torch.from_numpy(positions)].clone()
     return tensors
 
 
@@ -112,10 +124,9 @@ def decode_gaps(data: np.ndarray, count: int, length: int) -> np.ndarray:
     place = np.arange(len(data)) - first_byte[owner]
     if place.max() >= _VARINT_MAX_BYTES:
         raise ValueError("a position gap is longer than any tensor")
-    gaps = np.zeros(count, np.uint64)
-    for group in range(int(place.max()) + 1):
-        at = place == group
-        gaps[owner[at]] |= (data[at] & 0x7F).astype(np.uint64) << np.uint64(7 * group)
+    # Each byte's 7 bits in their place, summed per number: one pass however many bytes a number has.
+    parts = (data & 0x7F).astype(np.uint64) << (7 * place).astype(np.uint64)
+    gaps = np.add.reduceat(parts, first_byte)
     if int(gaps.max()) >= length:  # also keeps the sum below from overflowing
         raise ValueError(f"a position gap over the tensor's {length} values")
     positions = np.cumsum(gaps + np.uint64(1)).astype(np.int64) - 1
