@@ -42,9 +42,11 @@ from sao.run_dir import RunDir
 from sao.sampler.weight_sync import WeightSync
 from sao.trainer.publisher import PolicyPublisher
 
-ARMS = {"fp32_whole": ("fp32", False), "bf16_whole": ("bf16", False), "bf16_delta": ("bf16", True)}
-LORA_ARM = "lora_r16"  # trainer.lora.rank = 16 on all linear layers, published as a LoRA run publishes (bf16, deltas)
+LORA_ARM = "lora_r16"  # trainer.lora.rank = 16 on all linear layers, published as a LoRA run publishes
 LORA_RANK = 16
+# Each arm's publish dtype and whether it publishes deltas.
+ARMS = {"fp32_whole": ("fp32", False), "bf16_whole": ("bf16", False), "bf16_delta": ("bf16", True),
+        LORA_ARM: ("bf16", True)}
 
 
 def _timed(action):
@@ -87,7 +89,7 @@ def measure(base_path: Path, next_path: Path) -> dict:
 
 def sync_once(arm: str, base: dict, upcoming: dict, policy, folder: Path) -> dict:
     """One sync of `upcoming` in `arm`, after `base` was published and loaded: trainer and sampler seconds."""
-    dtype, deltas = ARMS.get(arm, ("bf16", True))
+    dtype, deltas = ARMS[arm]
     publisher = PolicyPublisher(None, "unused", RunDir(folder), keep_versions=3, publish_dtype=dtype, deltas=deltas,
                                 snapshot_every=10, lora=arm == LORA_ARM)
     sampler = WeightSync(policy)
@@ -111,29 +113,29 @@ def measure_sync(base: dict, upcoming: dict, repeats: int) -> dict:
     width = memory_width(resolve_bottleneck(compression.bottleneck, encoder_name(compression.encoder)),
                          encoder_dim(compression.encoder))
     policy = place_for_sampling(build_policy(config.policy, width), "cpu")
-    lora_policy, lora_base, lora_upcoming = _lora_versions(config, width)
-    rounds: dict[str, list[dict]] = {arm: [] for arm in (*ARMS, LORA_ARM)}
+    # Every arm syncs BASE -> NEXT into the plain policy but the LoRA arm, which syncs adapter states.
+    versions = {arm: (base, upcoming, policy) for arm in ARMS}
+    versions[LORA_ARM] = _lora_versions(config, width)
+    rounds: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for _ in range(repeats):
-        for arm in rounds:
+        for arm in ARMS:
+            arm_base, arm_next, arm_policy = versions[arm]
             with tempfile.TemporaryDirectory() as folder:
-                if arm == LORA_ARM:
-                    rounds[arm].append(sync_once(arm, lora_base, lora_upcoming, lora_policy, Path(folder)))
-                else:
-                    rounds[arm].append(sync_once(arm, base, upcoming, policy, Path(folder)))
+                rounds[arm].append(sync_once(arm, arm_base, arm_next, arm_policy, Path(folder)))
     summary = {}
     for arm, runs in rounds.items():
         summary[arm] = {key: statistics.median(run[key] for run in runs) for key in ("publish_s", "apply_s", "sync_s")}
         summary[arm].update(bytes=runs[0]["bytes"], sync_s_min=min(r["sync_s"] for r in runs),
                             sync_s_max=max(r["sync_s"] for r in runs), n=len(runs))
-    for arm in rounds:
+    for arm in ARMS:
         summary[arm]["sync_vs_fp32_whole"] = summary[arm]["sync_s"] / summary["fp32_whole"]["sync_s"]
     return summary
 
 
 def _lora_versions(config, width: int) -> tuple:
-    """A sampler's plain policy set to merge rank-16 adapters, and two consecutive adapter states (with the
-    projector) as a LoRA trainer publishes them: random values of a trained adapter's size, every value moved by
-    the next step (Adam moves them all), so a bf16 delta is no smaller than the whole file and goes whole."""
+    """Two consecutive adapter states (with the projector) as a LoRA trainer publishes them, and a sampler's plain
+    policy set to merge rank-16 adapters. The states hold random values of a trained adapter's size, every value
+    moved by the next step (Adam moves them all), so a bf16 delta is no smaller than the whole file and goes whole."""
     from sao.config import LoraConfig
     from sao.policy.lora import add_lora, attach_adapter_merge, trainable_state
     from sao.policy.weights import build_policy, place_for_sampling, unique_state_dict
@@ -147,7 +149,7 @@ def _lora_versions(config, width: int) -> tuple:
     upcoming = {name: t + 1e-3 * torch.randn(t.shape, generator=generator) for name, t in base.items()}
     del trainer_side
     sampler_policy = attach_adapter_merge(place_for_sampling(build_policy(config.policy, width), "cpu"), lora)
-    return sampler_policy, base, upcoming
+    return base, upcoming, sampler_policy
 
 
 def main() -> None:

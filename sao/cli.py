@@ -383,7 +383,7 @@ def export(run_dir: Annotated[Path, typer.Option(help="Run directory whose polic
         elif version == "final":
             number = max(RunDir(run_dir).kept_versions(), default=0)
         else:
-            number = _version_number(version)
+            number = _version_number(version, "`best` or `final`")
         facts = export_version(cfg, sampling_policy(cfg, device="cpu"), run_dir, number, out)
     except (FileNotFoundError, FileExistsError, ValueError, WeightsMismatch) as err:
         console.print(f"[red]{err}[/]")
@@ -392,9 +392,10 @@ def export(run_dir: Annotated[Path, typer.Option(help="Run directory whose polic
                   f"{', LoRA merged' if facts['lora_merged'] else ''}) to {out}")
 
 
-def _version_number(text: str) -> int:
+def _version_number(text: str, names: str = "`best`") -> int:
+    """`--version`'s number; `names` are the other values the command takes, for the message."""
     if not text.isdigit():
-        raise ValueError(f"--version must be a version number or `best`, not {text!r}")
+        raise ValueError(f"--version must be a version number or {names}, not {text!r}")
     return int(text)
 
 

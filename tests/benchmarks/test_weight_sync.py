@@ -13,7 +13,7 @@ DIM = 16
 def test_the_lora_arm_syncs_adapters_into_a_plain_model(tiny_config, tmp_path, monkeypatch):
     weight_sync = load_benchmark("weight_sync")
     monkeypatch.setattr(weight_sync, "LORA_RANK", 4)
-    policy, base, upcoming = weight_sync._lora_versions(tiny_config, DIM)
+    base, upcoming, policy = weight_sync._lora_versions(tiny_config, DIM)
     assert {"projector.weight", "projector.bias"} <= set(base) and any("lora_A" in name for name in base)
     before = {name: tensor.clone() for name, tensor in policy.lm.state_dict().items()}
     result = weight_sync.sync_once(weight_sync.LORA_ARM, base, upcoming, policy, tmp_path)

@@ -95,3 +95,14 @@ def test_export_never_writes_into_a_folder_that_holds_something(tiny_config, tmp
     with pytest.raises(FileExistsError, match="not empty"):
         export_version(tiny_config, build_policy(tiny_config.policy, DIM), tmp_path, 0, tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_an_unknown_version_name_is_refused_naming_the_ones_export_takes(tmp_path):
+    from typer.testing import CliRunner
+
+    from sao.cli import app
+
+    result = CliRunner().invoke(app, ["export", "--run-dir", str(tmp_path), "--out", str(tmp_path / "out"),
+                                      "--version", "latest"])
+    assert result.exit_code == 2 and "`best` or `final`" in result.output and "'latest'" in result.output
+    assert not (tmp_path / "out").exists()
