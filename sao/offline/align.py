@@ -168,6 +168,31 @@ def distillation_loss(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode],
 
 
 @torch.no_grad()
+def informative_steps(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], share: float,
+                      batch_size: int = 8) -> list[tuple[int, int]]:
+    """The `share` of memory steps where the recent window alone is furthest from full text.
+
+    Ranked by KL(full-text teacher || the step without its slots) per action token: the steps whose
+    actions depend on what only memory can carry (a question about an early fact), not the many a
+    recent window already answers (a message repeated back), which otherwise dominate a uniform draw."""
+    pairs = memory_steps(prepared)
+    if share >= 1.0:
+        return pairs
+    scores = []
+    for e in sorted({e for e, _ in pairs}):
+        teachers = episode_full_text_logprobs(policy, prepared[e].trajectory)
+        steps = [s for pair_e, s in pairs if pair_e == e]
+        for start in range(0, len(steps), batch_size):
+            chunk = steps[start:start + batch_size]
+            students = context_logprobs(policy, [without_memory(prepared[e].student[s]) for s in chunk])
+            for s, student in zip(chunk, students):
+                teacher = teachers[s]
+                scores.append((float((teacher.exp() * (teacher - student)).sum(-1).mean()), (e, s)))
+    scores.sort(key=lambda item: -item[0])
+    return sorted(pair for _, pair in scores[:max(1, round(share * len(scores)))])
+
+
+@torch.no_grad()
 def mean_kl(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: Sequence[tuple[int, int]],
             batch_size: int = 8) -> float:
     """Full-vocabulary KL(teacher || student) per action token, averaged over the given steps."""
@@ -187,7 +212,8 @@ def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], s
                     batch_size: int = 8, seed: int = 0, top_k: int = 64,
                     progress: Callable[[str, int, float], None] | None = None,
                     reconstruction: Sequence[TurnInput] = (), reconstruct_updates: int = 0,
-                    reconstruct_batch: int = 16, reconstruct_weight: float = 0.0) -> list[float]:
+                    reconstruct_batch: int = 16, reconstruct_weight: float = 0.0,
+                    pairs: Sequence[tuple[int, int]] | None = None) -> list[float]:
     """Train `policy.projector` (only); returns the loss of every update.
 
     With `reconstruction` examples (`sao.offline.reconstruction.slot_examples`), first
@@ -197,10 +223,11 @@ def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], s
     away for a prompt.
     The LM's parameters are frozen for the duration and restored to their previous
     `requires_grad` afterwards. With `steps` 0 only the reconstruction runs (no teacher is computed).
+    Distillation draws its steps from `pairs` (default: every step with memory; see `informative_steps`).
     """
     if steps and any(item.teacher_top is None for item in prepared):
         attach_teacher(policy, prepared, top_k)
-    pairs = memory_steps(prepared)
+    pairs = memory_steps(prepared) if pairs is None else list(pairs)
     if steps and not pairs:
         raise ValueError("no step of these episodes sees a memory slot: use longer episodes or a smaller "
                          "recent window")

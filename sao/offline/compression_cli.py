@@ -62,10 +62,16 @@ def _setup(config: Path | None, sets: list[str] | None) -> SaoConfig:
 
 def scripted_episodes(cfg: SaoConfig, env_name: str, count: int, agent: str, noise: float, seed: int,
                       start_index: int = 0) -> list[Episode]:
-    """Play `count` tasks of `env_name` (shaped by env.options) with a scripted agent."""
+    """Play `count` tasks of `env_name` (shaped by env.options) with a scripted agent (recall: the replies its
+    rules ask for, whatever `agent`)."""
+    if env_name == "recall":
+        from sao.offline.episodes import recall_episodes
+
+        return recall_episodes(cfg.env.model_copy(update={"name": env_name, "seed": seed}), count, start_index)
     if env_name != "textworld":
-        raise typer.BadParameter(f"scripted agents exist for textworld only, not {env_name!r}; record other envs "
-                                 "with `sao sampler` and train from the trajectories topic", param_hint="--from-env")
+        raise typer.BadParameter(f"scripted agents exist for textworld and recall only, not {env_name!r}; record "
+                                 "other envs with `sao sampler` and train from the trajectories topic",
+                                 param_hint="--from-env")
     from sao.envs.textworld import TextWorldEnv
     from sao.envs.textworld_agents import make_agent
     from sao.offline.episodes import record_episode
@@ -322,6 +328,9 @@ def align(out: Annotated[Path | None, typer.Option(
           recent_window: Annotated[int | None, typer.Option(
               min=0, help="Steps in full text (default: compression.recent_window).")] = None,
           validation_steps: Annotated[int, typer.Option(min=1, help="Held-out steps the KL is reported on.")] = 24,
+          distil_share: Annotated[float, typer.Option(
+              min=0.001, max=1.0, help="Distil on this share of the steps with memory: those where the recent window "
+                                       "alone is furthest (KL) from full text (1: every step).")] = 1.0,
           seed: SeedOpt = 0,
           threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
           config: ConfigOpt = None, set_: SetOpt = None) -> None:
@@ -372,6 +381,10 @@ def align(out: Annotated[Path | None, typer.Option(
     console.print(f"{len(train_set)} training episodes ({len(alignment.memory_steps(train_set))} steps with memory, "
                   f"{len(train_slots)} slots); held-out KL with the zero projector {kl_zero:.4f}")
     totals = {"reconstruct": reconstruct_updates, "distil": updates}
+    distilled = alignment.informative_steps(policy, train_set, distil_share) if updates else []
+    if distil_share < 1.0:
+        console.print(f"distilling on {len(distilled)} of {len(alignment.memory_steps(train_set))} steps with memory "
+                      f"(those the recent window alone answers least like full text)")
 
     def progress(phase: str, update: int, loss: float) -> None:
         if update % 5 == 0 or update == totals[phase] - 1:
@@ -380,7 +393,8 @@ def align(out: Annotated[Path | None, typer.Option(
 
     losses = alignment.align_projector(policy, train_set, updates, lr, batch_size, seed, top_k, progress,
                                        reconstruction=train_slots, reconstruct_updates=reconstruct_updates,
-                                       reconstruct_batch=reconstruct_batch, reconstruct_weight=reconstruct_weight)
+                                       reconstruct_batch=reconstruct_batch, reconstruct_weight=reconstruct_weight,
+                                       pairs=distilled or None)
     kl_aligned = alignment.mean_kl(policy, val_set, val_pairs)
     readable = content.content_nll(policy, val_slots)
     model, encoder_identity = cfg.policy.model, encoder_name(cfg.compression.encoder)
@@ -390,7 +404,7 @@ def align(out: Annotated[Path | None, typer.Option(
         ["--input", str(input_path)] if input_path else ["--bootstrap-servers", str(bootstrap_servers)])
     flags += ["--updates", str(updates), "--batch-size", str(batch_size), "--lr", f"{lr:g}", "--top-k", str(top_k),
               "--reconstruct-updates", str(reconstruct_updates), "--reconstruct-batch", str(reconstruct_batch),
-              "--reconstruct-weight", f"{reconstruct_weight:g}",
+              "--reconstruct-weight", f"{reconstruct_weight:g}", "--distil-share", f"{distil_share:g}",
               "--recent-window", str(window), "--validation-steps", str(validation_steps), "--seed", str(seed),
               "--threads", str(threads)]  # the thread count can change float sums, so it is part of the recipe
     flags += [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])

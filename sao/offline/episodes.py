@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sao.envs.recall import RecallEnv
+from sao.envs.recall import build_episode as build_recall_episode
 from sao.envs.textworld import TextWorldEnv
 from sao.envs.textworld_agents import Agent, expert_action
 from sao.policy.chat import turn_text, user_turn_text
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from sao.compression.bottleneck import Bottleneck
     from sao.compression.semantic import SemanticEncoder
     from sao.compression.temporal import Decision, TemporalFilter
+    from sao.config import EnvConfig
 
 logger = logging.getLogger(__name__)
 
@@ -231,3 +234,20 @@ def record_episode(env: TextWorldEnv, task_id: str, spec: dict, agent: Agent) ->
         observation = feedback.observation
     return Episode(env.name, task_id, steps, agent.name,
                    {"solved": feedback.info["solved"], "delivered": feedback.info["delivered"], "spec": dict(spec)})
+
+
+def recall_episodes(env_config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Episode]:
+    """`count` recall episodes played with the replies the rules ask for (each message repeated back, a
+    question answered with its fact's statement), scored by the env itself."""
+    env = RecallEnv()
+    episodes = []
+    for task in RecallEnv.make_tasks(env_config, count, start_index, split):
+        observation, steps, turns = env.reset(task.spec), [], build_recall_episode(task.spec).turns
+        for turn in turns:
+            feedback = env.step(turn.reply)
+            steps.append(EpisodeStep(observation, turn.reply, feedback.reward, feedback.done))
+            observation = feedback.observation
+        solved = all(step.reward > 0 for step, turn in zip(steps, turns) if turn.fact is not None)
+        episodes.append(Episode(RecallEnv.name, task.task_id, steps, "rules", {"spec": dict(task.spec),
+                                                                              "solved": solved}))
+    return episodes

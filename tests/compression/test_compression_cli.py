@@ -55,7 +55,24 @@ def test_inspect_plays_the_env_and_train_needs_one_source(recorded):
                                       "--out", "unused.safetensors"])
     assert result.exit_code == 2 and "exactly one" in result.output
     result = CliRunner().invoke(app, ["compression", "record", "--env", "arithmetic", "--out", "unused.jsonl"])
-    assert result.exit_code == 2 and "textworld only" in result.output
+    assert result.exit_code == 2 and "textworld and recall" in result.output
+
+
+def test_record_plays_recall_episodes_with_the_replies_its_rules_ask_for(tmp_path):
+    from sao.envs.recall import build_episode
+
+    path = tmp_path / "recall.jsonl"
+    result = CliRunner().invoke(app, ["compression", "record", "--env", "recall", "--episodes", "2", "--out", str(path),
+                                      "--set", "env.options.turns=6", "--set", "env.options.facts=2"])
+    assert result.exit_code == 0, result.output
+    episodes = read_episodes(path)
+    assert [e.task_id for e in episodes] == ["train/recall/0/0", "train/recall/0/1"] and "2 solved" in result.output
+    for episode in episodes:
+        turns = build_episode(episode.meta["spec"]).turns
+        assert [s.observation for s in episode.steps] == [t.text for t in turns]  # each turn shown, then replied to
+        assert [s.action for s in episode.steps] == [t.reply for t in turns]
+        assert [s.reward for s in episode.steps] == [1.0 if t.fact else 0.0 for t in turns]  # the env scored them
+        assert [s.done for s in episode.steps] == [False] * (len(turns) - 1) + [True]
 
 
 def test_train_from_the_trajectories_topic(recorded, tmp_path, kafka_bootstrap, unique_topic_prefix, chat, encoder):

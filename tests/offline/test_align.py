@@ -93,3 +93,31 @@ def test_each_slot_learns_to_name_its_step(tiny_config, prepared):
     assert after["other_minus_own"] > 3 * after["other_minus_own_stderr"] > 0, after
     with torch.no_grad():
         assert float(reconstruction_nll(policy, examples).mean()) == pytest.approx(after["own"], rel=1e-5)
+
+
+def test_informative_steps_are_those_the_recent_window_answers_least_like_full_text(tiny_config, prepared):
+    from sao.offline.align import context_logprobs, episode_full_text_logprobs, informative_steps
+
+    policy = build_policy(tiny_config.policy, 384)
+    pairs = memory_steps(prepared)
+    assert informative_steps(policy, prepared, 1.0) == pairs
+    kl = {}
+    for e, s in pairs:
+        teacher = episode_full_text_logprobs(policy, prepared[e].trajectory)[s]
+        student = context_logprobs(policy, [without_memory(prepared[e].student[s])])[0]
+        kl[(e, s)] = float((teacher.exp() * (teacher - student)).sum(-1).mean())
+    chosen = informative_steps(policy, prepared, 0.25)
+    assert len(chosen) == round(0.25 * len(pairs)) and set(chosen) <= set(pairs)
+    assert min(kl[p] for p in chosen) >= max(kl[p] for p in pairs if p not in chosen)
+
+
+def test_distillation_draws_only_the_given_steps(tiny_config, prepared, monkeypatch):
+    import sao.offline.align as alignment
+
+    drawn = []
+    real = alignment.distillation_loss
+    monkeypatch.setattr(alignment, "distillation_loss",
+                        lambda policy, items, pairs: drawn.extend(pairs) or real(policy, items, pairs))
+    given = memory_steps(prepared)[:2]
+    align_projector(build_policy(tiny_config.policy, 384), prepared, steps=3, batch_size=4, top_k=8, pairs=given)
+    assert drawn and set(drawn) <= set(given)
