@@ -168,6 +168,25 @@ def distillation_loss(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode],
 
 
 @torch.no_grad()
+def step_kls(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: Sequence[tuple[int, int]],
+             batch_size: int = 8, memory: bool = True) -> list[tuple[float, int]]:
+    """Per step, in order: full-vocabulary KL(full-text teacher || the step's context) summed over its action
+    tokens, and their count; `memory` False scores the context without its slots.
+
+    A teacher pass covers a whole episode and is held only while its steps are in the batch (pairs sorted by
+    episode reuse it): full-vocabulary log-probs of many episodes would not fit in memory at once."""
+    out, teachers = [], {}
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start:start + batch_size]
+        teachers = {e: teachers[e] if e in teachers else episode_full_text_logprobs(policy, prepared[e].trajectory)
+                    for e in sorted({e for e, _ in chunk})}
+        inputs = [prepared[e].student[s] if memory else without_memory(prepared[e].student[s]) for e, s in chunk]
+        for (e, s), student in zip(chunk, context_logprobs(policy, inputs)):
+            teacher = teachers[e][s]
+            out.append((float((teacher.exp() * (teacher - student)).sum()), len(teacher)))
+    return out
+
+
 def informative_steps(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], share: float,
                       batch_size: int = 8) -> list[tuple[int, int]]:
     """The `share` of memory steps where the recent window alone is furthest from full text.
@@ -178,34 +197,16 @@ def informative_steps(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode],
     pairs = memory_steps(prepared)
     if share >= 1.0:
         return pairs
-    scores = []
-    for e in sorted({e for e, _ in pairs}):
-        teachers = episode_full_text_logprobs(policy, prepared[e].trajectory)
-        steps = [s for pair_e, s in pairs if pair_e == e]
-        for start in range(0, len(steps), batch_size):
-            chunk = steps[start:start + batch_size]
-            students = context_logprobs(policy, [without_memory(prepared[e].student[s]) for s in chunk])
-            for s, student in zip(chunk, students):
-                teacher = teachers[s]
-                scores.append((float((teacher.exp() * (teacher - student)).sum(-1).mean()), (e, s)))
-    scores.sort(key=lambda item: -item[0])
-    return sorted(pair for _, pair in scores[:max(1, round(share * len(scores)))])
+    kls = step_kls(policy, prepared, pairs, batch_size, memory=False)
+    ranked = sorted(zip(pairs, kls), key=lambda item: -item[1][0] / max(item[1][1], 1))
+    return sorted(pair for pair, _ in ranked[:max(1, round(share * len(pairs)))])
 
 
-@torch.no_grad()
 def mean_kl(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: Sequence[tuple[int, int]],
             batch_size: int = 8) -> float:
     """Full-vocabulary KL(teacher || student) per action token, averaged over the given steps."""
-    teachers = {e: episode_full_text_logprobs(policy, prepared[e].trajectory) for e in sorted({e for e, _ in pairs})}
-    total, tokens = 0.0, 0
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start:start + batch_size]
-        students = context_logprobs(policy, [prepared[e].student[s] for e, s in chunk])
-        for (e, s), student in zip(chunk, students):
-            teacher = teachers[e][s]
-            total += float((teacher.exp() * (teacher - student)).sum())
-            tokens += len(teacher)
-    return total / max(tokens, 1)
+    kls = step_kls(policy, prepared, pairs, batch_size)
+    return sum(kl for kl, _ in kls) / max(sum(tokens for _, tokens in kls), 1)
 
 
 def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], steps: int, lr: float = 1e-3,
