@@ -56,6 +56,7 @@ from sao.trainer.engine import (
 )
 from sao.trainer.leader_io import LeaderIO
 from sao.trainer.publisher import PolicyPublisher
+from sao.trainer.shadow import run_cpus
 from sao.trainer.shadow_validation import ShadowValidation
 from sao.trainer.training_step import StepOutcome, train_step
 from sao.trainer.validation import TrajectoryValidator
@@ -325,7 +326,8 @@ class Trainer:
         self.step_learning_rate = self.engine.optimizer.param_groups[0]["lr"]  # a DeepSpeed scheduler moves it after
         outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
                              lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_width,
-                             self.accumulation, lambda: self.stopping, self.base_policy)
+                             self.accumulation, lambda: self.stopping, self.base_policy,
+                             self.shadow.before_update if self.shadow is not None else lambda: None)
         if outcome.interrupted:
             log.info("stopped during a step: its batch of %d goes back to the buffer, untrained", len(batch))
             if self.is_leader:
@@ -403,8 +405,9 @@ class Trainer:
         if is_leader:
             self.run_dir.root.mkdir(parents=True, exist_ok=True)
             self.run_dir.trainer_config.write_text(to_toml(self.config))
+        cpus = run_cpus(self.config.trainer.cpu_affinity, self.config.sampler.cpu_affinity)
         return ShadowValidation.start(self.config.trainer, self.run_dir, self.run_dir.trainer_config, is_leader,
-                                      resume)
+                                      resume, cpus)
 
     def _follow_shadow(self) -> None:
         """A version that fell below the best is rolled back to the best before the next step."""

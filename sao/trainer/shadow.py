@@ -138,10 +138,20 @@ def earlier_board(run_dir: RunDir, margin: float) -> ShadowBoard:
     return board
 
 
+def run_cpus(trainer_cpus: list[int] | None, sampler_cpus: list[int] | None) -> set[int]:
+    """The CPUs a run's processes may use: what the trainer's parent (the launcher) may, plus any a role is
+    pinned to (`trainer.cpu_affinity`, `sampler.cpu_affinity`)."""
+    try:
+        started_by = set(os.sched_getaffinity(os.getppid()))
+    except OSError:  # the parent is gone: this process's own CPUs are what is known
+        started_by = set(os.sched_getaffinity(0))
+    return started_by | set(trainer_cpus or ()) | set(sampler_cpus or ())
+
+
 class ShadowScorerProcess:
     """Rank 0: starts `sao shadow`, hands it one version at a time, and reads back its scores."""
 
-    def __init__(self, run_dir: RunDir, config_path: Path):
+    def __init__(self, run_dir: RunDir, config_path: Path, cpus: set[int] | None = None):
         self.run_dir = run_dir
         run_dir.shadow_dir.mkdir(parents=True, exist_ok=True)
         run_dir.shadow_request.unlink(missing_ok=True)
@@ -151,11 +161,17 @@ class ShadowScorerProcess:
         self.failed: str | None = None  # why the scorer is gone: nothing more is asked of it, training goes on
         log_path = run_dir.log("shadow")
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        # Niced (10): it runs mostly on the CPU the samplers and the trainer leave, but a busy trainer on the
-        # same CPUs still cedes it a small share (nice 10 weighs about a tenth of nice 0).
+        # Niced (10): it runs mostly on the CPU the samplers and the trainer leave, but a busy process on the
+        # same CPU still cedes it a small share (nice 10 weighs about a tenth of nice 0). It may use every CPU
+        # of the run (`cpus`), not only a pinned trainer's, so it takes the samplers' idle time, not a step's.
+        def place_scorer() -> None:
+            os.nice(10)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sao.cli", "shadow", "--config", str(config_path), "--run-dir", str(run_dir.root)],
-            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10))
+            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=place_scorer)
 
     @property
     def idle(self) -> bool:

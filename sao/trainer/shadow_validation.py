@@ -40,22 +40,22 @@ class ShadowValidation:
     """Every rank builds one; only rank 0's has a scorer (`scorer` None elsewhere)."""
 
     def __init__(self, config: TrainerConfig, run_dir: RunDir, scorer: ShadowScorerProcess | None,
-                 board: ShadowBoard | None = None):
+                 board: ShadowBoard | None = None, cpus: set[int] | None = None):
         self.config, self.run_dir, self.scorer = config, run_dir, scorer
         self.board = board or ShadowBoard(config.shadow_margin)
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        self.snapshots = OptimizerSnapshots(run_dir.shadow_snapshots / f"rank{rank}")
+        self.snapshots = OptimizerSnapshots(run_dir.shadow_snapshots / f"rank{rank}", cpus)
         self.offered: int | None = None  # the last version handed to the scorer
 
     @classmethod
     def start(cls, config: TrainerConfig, run_dir: RunDir, config_path, is_leader: bool,
-              resume: bool = False) -> ShadowValidation:
+              resume: bool = False, cpus: set[int] | None = None) -> ShadowValidation:
         """Rank 0 starts the scorer now, so it loads its model while the trainer builds its engine. A resumed
         trainer goes on with the earlier lives' scores (their versions have no snapshot: no rollback to them)."""
         if not is_leader:
-            return cls(config, run_dir, None)
+            return cls(config, run_dir, None, cpus=cpus)
         board = earlier_board(run_dir, config.shadow_margin) if resume else None
-        return cls(config, run_dir, ShadowScorerProcess(run_dir, config_path), board)
+        return cls(config, run_dir, ShadowScorerProcess(run_dir, config_path, cpus), board, cpus)
 
     def pinned(self) -> set[int]:
         """Versions whose files must outlive trainer.keep_versions: the best one and the one being scored."""
@@ -76,6 +76,13 @@ class ShadowValidation:
         self.offered = version
         if self.scorer is not None:
             self.scorer.request(version)
+
+    def before_update(self) -> None:
+        """Before an optimizer update: the snapshot being written must be whole first (its wait counts as
+        snapshot time)."""
+        started = time.perf_counter()
+        self.snapshots.settle()
+        self.board.snapshot_s += time.perf_counter() - started
 
     def verdict(self, engine) -> int | None:
         """Read a new score; the version to roll back to (agreed by every rank) after a drop, else None."""
@@ -124,6 +131,7 @@ class ShadowValidation:
     def stop(self) -> None:
         """At the trainer's exit: the snapshots die with its process (a resume cannot use them), so do their files."""
         self.snapshots.keep_only(set())
+        self.snapshots.close()
         if self.scorer is not None:
             self.scorer.stop()
 

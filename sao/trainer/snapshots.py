@@ -9,10 +9,18 @@ Each rank snapshots its own partition, so this is as collective as the step itse
 The tensors go to a safetensors file per version (three times the model's size in fp32: held in
 memory, two or three of them would double the trainer's footprint); the rest of the state dict
 (a few scalars and the loss scaler object) stays in memory. The files are this process's own.
+
+A file is written by a background thread, niced and allowed on every CPU of the run (`cpus`), so
+the write overlaps the next step's forward and backward instead of delaying it, and on a pinned
+trainer it runs where the samplers leave idle time. It reads the live optimizer tensors, which
+only an optimizer update changes: `settle` must be called before one (`train_step`'s
+`before_update`), and is called before any restore, relabel or drop.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +55,11 @@ def _join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 class OptimizerSnapshots:
     """version -> this rank's optimizer state at that version, in `folder`; at most the versions asked to be kept."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, cpus: set[int] | None = None) -> None:
         self.folder = Path(folder)
         self._skeletons: dict[int, Any] = {}
+        self._writes: dict[int, Future] = {}  # versions whose file is being written
+        self._writer = ThreadPoolExecutor(1, "sao-snapshot-writer", initializer=_place_writer, initargs=(cpus,))
 
     def __contains__(self, version: int) -> bool:
         return version in self._skeletons
@@ -61,16 +71,31 @@ class OptimizerSnapshots:
         return self.folder / f"v{version:06d}.safetensors"
 
     def take(self, engine, version: int) -> None:
+        """Start writing this rank's optimizer state as `version`; `settle` before the optimizer updates it."""
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = _split(engine.optimizer.state_dict(), tensors, "")
+        skeleton = _split(engine.optimizer.state_dict(), tensors, "")  # views of the live tensors
         self.folder.mkdir(parents=True, exist_ok=True)
-        partial = self._file(version).with_suffix(".tmp")
-        save_file(tensors, str(partial))  # a copy: later steps do not change what was written
-        partial.replace(self._file(version))
+        self._writes[version] = self._writer.submit(self._write, tensors, version)
         self._skeletons[version] = skeleton
+
+    def _write(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        partial = self._file(version).with_suffix(".tmp")
+        save_file(tensors, str(partial))  # a copy: once written, later steps do not change it
+        partial.replace(self._file(version))
+
+    def settle(self) -> None:
+        """Wait until every snapshot taken is on disk (a failed write raises here)."""
+        writes, self._writes = self._writes, {}
+        for write in writes.values():
+            write.result()
+
+    def close(self) -> None:
+        self.settle()
+        self._writer.shutdown()
 
     def restore(self, engine, version: int) -> None:
         """Master weights, module weights and AdamW state back to `version` (every rank calls it)."""
+        self.settle()
         state = _join(self._skeletons[version], load_file(str(self._file(version))))
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         # DeepSpeed reads the entry of this rank's index: each rank passes its own snapshot there.
@@ -78,10 +103,21 @@ class OptimizerSnapshots:
 
     def relabel(self, version: int, as_version: int) -> None:
         """The snapshot of `version` now stands for `as_version` (a rollback republished its weights)."""
+        self.settle()
         self._file(version).replace(self._file(as_version))
         self._skeletons[as_version] = self._skeletons.pop(version)
 
     def keep_only(self, versions: set[int]) -> None:
-        for version in set(self._skeletons) - versions:
+        dropped = set(self._skeletons) - versions
+        if dropped & set(self._writes):  # a file still being written goes once it is whole
+            self.settle()
+        for version in dropped:
             del self._skeletons[version]
             self._file(version).unlink(missing_ok=True)
+
+
+def _place_writer(cpus: set[int] | None) -> None:
+    """The writer thread: niced, and on every CPU of the run (Linux applies both to the calling thread)."""
+    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    if cpus:
+        os.sched_setaffinity(0, cpus)

@@ -55,9 +55,12 @@ class StepOutcome:
 
 def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], BatchPlan], cfg: TrainerConfig,
                memory_width: int, accumulation: int, stop_requested: Callable[[], bool] = lambda: False,
-               base_policy: torch.nn.Module | None = None) -> StepOutcome:
+               base_policy: torch.nn.Module | None = None,
+               before_update: Callable[[], None] = lambda: None) -> StepOutcome:
     """Score `plan` and step; `replan` makes the plan of a smaller batch (advantages depend on the batch).
     `base_policy`: a frozen copy of the base, for the KL to it (`TrainerConfig.keeps_base_policy`).
+    `before_update` runs after the last backward pass, right before the optimizer changes its state (an
+    optimizer snapshot still being written waits there, sao/trainer/snapshots.py).
 
     `stop_requested` is asked between forward passes: a stop (SIGTERM) then waits for one pass at
     most, and the step is abandoned with nothing applied.
@@ -65,7 +68,8 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     dead_letters: list[tuple[Trajectory, str, str]] = []
     while True:
         try:
-            outcome = _forward_backward_step(engine, plan, cfg, memory_width, accumulation, stop_requested, base_policy)
+            outcome = _forward_backward_step(engine, plan, cfg, memory_width, accumulation, stop_requested, base_policy,
+                                             before_update)
             if outcome.interrupted:
                 return outcome
             break
@@ -97,7 +101,8 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
 
 
 def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_width: int, accumulation: int,
-                           stop_requested: Callable[[], bool], base_policy: torch.nn.Module | None) -> StepOutcome:
+                           stop_requested: Callable[[], bool], base_policy: torch.nn.Module | None,
+                           before_update: Callable[[], None]) -> StepOutcome:
     """Forward, backward and optimizer step over the batch: `accumulation` chunks of trajectories,
     shared among the ranks, each scored in passes of at most `trainer.micro_batch_tokens` positions."""
     ranks, count = world_size(), len(plan.trajectories)
@@ -120,9 +125,11 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_w
             # step on all ranks, and the gradients of earlier passes go with it.
             loss = loss * float("nan")
         engine.backward(loss)
+        forward_backward_s += time.perf_counter() - t0
+        if index == len(passes) - 1:  # the boundary: this step() updates the optimizer's state
+            before_update()
         t1 = time.perf_counter()
         engine.step()
-        forward_backward_s += t1 - t0
         optimizer_s += time.perf_counter() - t1
         if rows or not parts:
             parts.append(stats)

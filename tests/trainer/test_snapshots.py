@@ -1,6 +1,9 @@
 """A rollback returns ZeRO-3 training to a published version exactly: restore a snapshot taken at
 version v after two more steps, and the weights equal v's, and the next step from there equals the
 step first taken from v (same batch): the AdamW moments came back too, not only the weights.
+
+The snapshot is written in the background while the next step runs; here its write is slowed so
+that the step reaches its optimizer update first: only `before_update` keeps that update out of it.
 """
 
 import pytest
@@ -10,7 +13,15 @@ from support.engine_scripts import TINY_ENGINE, run_script
 STEPS = TINY_ENGINE + """
 from sao.trainer.batch import plan_batch
 from sao.trainer.engine import gather_full_state
+import time
+import sao.trainer.snapshots as snapshot_module
 from sao.trainer.snapshots import OptimizerSnapshots
+
+write_file = snapshot_module.save_file
+def slow_write(*args, **kwargs):  # the step after a snapshot reaches its update before this writes
+    time.sleep(3)
+    write_file(*args, **kwargs)
+snapshot_module.save_file = slow_write
 
 engine = build_engine(build_policy(config.policy, 384), cfg)
 rng = np.random.default_rng(0)
@@ -19,7 +30,7 @@ batches = [[synthetic_trajectory(8 * b + i, rng) for i in range(cfg.batch_size)]
 def step(batch):
     plan = plan_batch(batch, RewardBaseline(), cfg, 0)
     train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg, 0), cfg, 384,
-               batch_layout(cfg, 1)[1])
+               batch_layout(cfg, 1)[1], before_update=snapshots.settle)
 
 def max_difference(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
