@@ -11,6 +11,7 @@ standard errors of their paired difference on the same tasks.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -148,6 +149,15 @@ def run_cpus(trainer_cpus: list[int] | None, sampler_cpus: list[int] | None) -> 
     return started_by | set(trainer_cpus or ()) | set(sampler_cpus or ())
 
 
+def run_in_background(cpus: set[int] | None) -> None:
+    """Make the calling thread background work: niced (10), and allowed on `cpus` (every CPU of the run), not
+    only a pinned trainer's. Linux applies both to the calling thread alone: a forked child's only thread, or
+    a worker thread of the trainer."""
+    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 class ShadowScorerProcess:
     """Rank 0: starts `sao shadow`, hands it one version at a time, and reads back its scores."""
 
@@ -164,14 +174,9 @@ class ShadowScorerProcess:
         # Niced (10): it runs mostly on the CPU the samplers and the trainer leave, but a busy process on the
         # same CPU still cedes it a small share (nice 10 weighs about a tenth of nice 0). It may use every CPU
         # of the run (`cpus`), not only a pinned trainer's, so it takes the samplers' idle time, not a step's.
-        def place_scorer() -> None:
-            os.nice(10)
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sao.cli", "shadow", "--config", str(config_path), "--run-dir", str(run_dir.root)],
-            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=place_scorer)
+            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=functools.partial(run_in_background, cpus))
 
     @property
     def idle(self) -> bool:

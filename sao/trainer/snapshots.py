@@ -14,18 +14,23 @@ A file is written by a background thread, niced and allowed on every CPU of the 
 the write overlaps the next step's forward and backward instead of delaying it, and on a pinned
 trainer it runs where the samplers leave idle time. It reads the live optimizer tensors, which
 only an optimizer update changes: `settle` must be called before one (`train_step`'s
-`before_update`), and is called before any restore, relabel or drop.
+`before_update`), and is called before any restore, relabel or drop. A write that fails costs
+that version its snapshot, never the training.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from sao.trainer.shadow import run_in_background
+
+log = logging.getLogger(__name__)
 
 _TENSOR = "__tensor__"  # marks where a tensor stood in the state dict's skeleton
 
@@ -59,9 +64,13 @@ class OptimizerSnapshots:
         self.folder = Path(folder)
         self._skeletons: dict[int, Any] = {}
         self._writes: dict[int, Future] = {}  # versions whose file is being written
-        self._writer = ThreadPoolExecutor(1, "sao-snapshot-writer", initializer=_place_writer, initargs=(cpus,))
+        self._writer = ThreadPoolExecutor(1, "sao-snapshot-writer", initializer=run_in_background, initargs=(cpus,))
 
     def __contains__(self, version: int) -> bool:
+        """Whether a rollback can return to `version`: its snapshot is taken, and written if it was still being
+        written."""
+        if version in self._writes:
+            self.settle()
         return version in self._skeletons
 
     def versions(self) -> list[int]:
@@ -84,10 +93,17 @@ class OptimizerSnapshots:
         partial.replace(self._file(version))
 
     def settle(self) -> None:
-        """Wait until every snapshot taken is on disk (a failed write raises here)."""
+        """Wait until every snapshot taken is on disk. A write that failed (a full disk, say) costs its version its
+        snapshot, so no rollback can return there, and never the step waiting here."""
         writes, self._writes = self._writes, {}
-        for write in writes.values():
-            write.result()
+        for version, write in writes.items():
+            try:
+                write.result()
+            except OSError as err:
+                log.error("the optimizer snapshot of v%d could not be written (%s): no rollback can return to it",
+                          version, err)
+                del self._skeletons[version]
+                self._file(version).with_suffix(".tmp").unlink(missing_ok=True)
 
     def close(self) -> None:
         self.settle()
@@ -114,10 +130,3 @@ class OptimizerSnapshots:
         for version in dropped:
             del self._skeletons[version]
             self._file(version).unlink(missing_ok=True)
-
-
-def _place_writer(cpus: set[int] | None) -> None:
-    """The writer thread: niced, and on every CPU of the run (Linux applies both to the calling thread)."""
-    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
-    if cpus:
-        os.sched_setaffinity(0, cpus)

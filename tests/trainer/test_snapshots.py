@@ -67,3 +67,34 @@ def test_restoring_a_snapshot_returns_weights_and_optimizer_state_to_that_versio
     assert found["replayed"] < 1e-6
     assert found["relabelled"] == [5]
     assert found["kept"] == [] and found["files"] == []  # a dropped snapshot leaves no file behind
+
+
+def test_a_snapshot_that_cannot_be_written_costs_its_version_not_the_step(tmp_path, monkeypatch, caplog):
+    """A full disk while a snapshot is written in the background: the step waiting for it goes on, and that
+    version is no longer one a rollback can return to (nothing half-written is left either)."""
+    import torch
+
+    import sao.trainer.snapshots as snapshot_module
+
+    def disk_full(tensors, filename):
+        open(filename, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot_module, "save_file", disk_full)
+    weights = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([weights])
+    weights.grad = torch.ones(4)
+    optimizer.step()
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.optimizer = optimizer
+    snapshots = snapshot_module.OptimizerSnapshots(tmp_path)
+    snapshots.take(engine, 3)
+    snapshots.settle()  # what a step does before its optimizer update: it must not raise
+    assert 3 not in snapshots and snapshots.versions() == []
+    assert list(tmp_path.iterdir()) == []
+    assert "could not be written" in caplog.text
+    snapshots.close()
