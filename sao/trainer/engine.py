@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,12 +200,20 @@ def gather_adapter_state(engine) -> dict[str, torch.Tensor]:
         return unique_state_dict(state)
 
 
+_GLOO_SETTLE_S = 0.5  # generous: under load the worker thread waits its turn for a core
+
+
 def shutdown() -> None:
     import deepspeed
 
     if torch.distributed.is_initialized():
         deepspeed.comm.barrier()
         torch.distributed.destroy_process_group()
+        # A gloo worker thread drops the barrier's work (and with it the last reference to earlier
+        # collectives' tensors, which takes the GIL) just after the barrier returns. Should the
+        # interpreter already be finalizing, that thread aborts the process (SIGABRT, "terminate called
+        # without an active exception") after a run that succeeded. Sleeping hands it the GIL first.
+        time.sleep(_GLOO_SETTLE_S)
 
 
 def memory_per_rank(engine) -> dict[str, int]:
