@@ -245,6 +245,8 @@ def broker_start(port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1."
         raise typer.Exit(2) from err
     console.print(f"broker running at [bold]{state['bootstrap']}[/] (pid {state['pid']}, "
                   f"{state.get('storage', 'memory')} storage); use --bootstrap-servers {state['bootstrap']}")
+    if storage == "s3":  # its fetches list the bucket: a short fetch wait can starve a consumer
+        console.print("with s3 storage, run clients with --set broker.fetch_wait_ms=100 (docs/reliability.md)")
 
 
 @broker_app.command("stop")

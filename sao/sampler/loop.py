@@ -78,7 +78,7 @@ class Sampler:
         # Only announcements signed with the run's key are read; the key is read when needed.
         key = announce_key_reader(config, self.weights_source)
         self.policy_follower = PolicyFollower(bootstrap, config.topics.policy, config.sampler.max_version_jump,
-                                              key=key)
+                                              key=key, fetch_wait_ms=config.broker.fetch_wait_ms)
         self.missing_refused: set[int] = set()  # versions refused for a missing file (retried; said once)
         self.behind = False  # more than trainer.max_staleness versions behind the newest announced (said once)
         self.broker_watch = BrokerWatch(bootstrap, sampler_id, config.broker.loss_timeout_s)
@@ -86,7 +86,8 @@ class Sampler:
         self.dlq = DeadLetterQueue(self.producer, config.topics.dlq)
         self.outbox = Outbox(self.producer, config.topics.trajectories)
         self.offsets = OffsetTracker()
-        self.tasks = make_consumer(bootstrap, config.topics.sampler_group, **TASK_CONSUMER_SETTINGS)
+        self.tasks = make_consumer(bootstrap, config.topics.sampler_group, fetch_wait_ms=config.broker.fetch_wait_ms,
+                                   **TASK_CONSUMER_SETTINGS)
         self.tasks.subscribe([config.topics.tasks], on_assign=self._assigned, on_revoke=self._revoked)
         self.task_lag = LagReporter(self.tasks, config.topics.sampler_group)
         self.pending: PolicyAnnouncement | None = None  # announced, loaded once no episode is live

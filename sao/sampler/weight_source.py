@@ -21,6 +21,7 @@ from sao.metrics import record_weights_fetched
 from sao.policy.weights import WeightsMismatch, announced_weights_path
 from sao.schema import PolicyAnnouncement
 from sao.transport.announcements import ANNOUNCE_KEY_NAME, read_announce_key_file
+from sao.transport.kafka import DEFAULT_FETCH_WAIT_MS
 from sao.transport.weights import BadChunks, WeightsFetcher
 
 
@@ -56,8 +57,8 @@ class KafkaSource:
 
     policy_dir = None  # reads no folder but its own
 
-    def __init__(self, bootstrap: str, topic: str, timeout_s: float):
-        self.fetcher = WeightsFetcher(bootstrap, topic, timeout_s)
+    def __init__(self, bootstrap: str, topic: str, timeout_s: float, fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS):
+        self.fetcher = WeightsFetcher(bootstrap, topic, timeout_s, fetch_wait_ms)
         self.folder = Path(tempfile.mkdtemp(prefix="sao-weights-"))  # mode 0700: this sampler's alone
 
     def check(self, announcement: PolicyAnnouncement, max_bytes: int) -> None:
@@ -89,7 +90,8 @@ class KafkaSource:
 def weight_source(config: SaoConfig, bootstrap: str) -> FolderSource | KafkaSource:
     """The source `policy.transport` names."""
     if config.policy.transport == "kafka":
-        return KafkaSource(bootstrap, config.topics.weights, config.sampler.weights_fetch_timeout_s)
+        return KafkaSource(bootstrap, config.topics.weights, config.sampler.weights_fetch_timeout_s,
+                           config.broker.fetch_wait_ms)
     return FolderSource(Path(config.sampler.policy_dir) if config.sampler.policy_dir else None)
 
 

@@ -106,4 +106,5 @@ def _trajectory_stream(bootstrap: str, config: SaoConfig, producer: RenewingProd
     """The stream, resumed where `state` says when it was restored from a checkpoint."""
     return TrajectoryStream(bootstrap, config.topics.trajectories, DeadLetterQueue(producer, config.topics.dlq),
                             config.trainer.max_staleness, validator, state.offsets if restored else None,
-                            set(state.seen_trajectory_ids), config.topics.trainer_group, state.dead_lettered_offsets)
+                            set(state.seen_trajectory_ids), config.topics.trainer_group, state.dead_lettered_offsets,
+                            config.broker.fetch_wait_ms)

@@ -26,7 +26,7 @@ from sao.schema import SchemaError, Trajectory, decode
 from sao.trainer.buffer import BufferEntry
 from sao.trainer.validation import TrajectoryValidator
 from sao.transport.dlq import DeadLetterQueue
-from sao.transport.kafka import MAX_MESSAGE_BYTES, make_consumer
+from sao.transport.kafka import DEFAULT_FETCH_WAIT_MS, MAX_MESSAGE_BYTES, make_consumer
 from sao.transport.lag import LagReporter
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ class TrajectoryStream:
     def __init__(self, bootstrap: str, topic: str, dlq: DeadLetterQueue, max_staleness: int,
                  validator: TrajectoryValidator, start_offsets: dict[int, int] | None = None,
                  seen_ids: set[str] | None = None, group_id: str = "sao-trainer",
-                 dead_lettered_offsets: dict[int, list[int]] | None = None):
+                 dead_lettered_offsets: dict[int, list[int]] | None = None,
+                 fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS):
         self.topic = topic
         self.dlq = dlq
         self.max_staleness = max_staleness
@@ -69,7 +70,7 @@ class TrajectoryStream:
         # Positions dead-lettered (by this life or, above its checkpoint's offsets, an earlier one).
         self.dead_lettered_positions: dict[int, set[int]] = {p: set(o) for p, o in (dead_lettered_offsets or {}).items()}
         self.counters = StreamCounters()
-        self.consumer = make_consumer(bootstrap, group_id)
+        self.consumer = make_consumer(bootstrap, group_id, fetch_wait_ms=fetch_wait_ms)
         # Exported for dashboards and alerts only: wrong on Tansu, whose high watermarks are wrong.
         self.lag = LagReporter(self.consumer, group_id)
         self._resume_offsets = start_offsets

@@ -37,7 +37,7 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from sao.config import SamplerConfig
 from sao.metrics import record_announcement_refused, record_delivery
 from sao.schema import PolicyAnnouncement, SchemaError, decode, encode
-from sao.transport.kafka import deliver_and_wait, make_consumer
+from sao.transport.kafka import DEFAULT_FETCH_WAIT_MS, deliver_and_wait, make_consumer
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,9 @@ class PolicyFollower:
     """
 
     def __init__(self, bootstrap: str, topic: str, max_version_jump: int = DEFAULT_MAX_VERSION_JUMP,
-                 key: Callable[[], bytes | None] | None = None):
-        self.consumer = make_consumer(bootstrap, f"sao-policy-follower-{uuid.uuid4().hex[:8]}")
+                 key: Callable[[], bytes | None] | None = None, fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS):
+        self.consumer = make_consumer(bootstrap, f"sao-policy-follower-{uuid.uuid4().hex[:8]}",
+                                      fetch_wait_ms=fetch_wait_ms)
         metadata = self.consumer.list_topics(topic, timeout=10).topics.get(topic)
         partitions = sorted(metadata.partitions) if metadata is not None and metadata.error is None else [0]
         self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])

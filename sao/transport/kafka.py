@@ -18,6 +18,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
 
+from sao.config import BrokerConfig
 from sao.transport.health import BrokerWatch, client_log
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Record-batch framing and headers on top of the payload.
 _FETCH_HEADROOM_BYTES = 1024 * 1024
 _READ_ALL_FETCH_WAIT_MS = 100  # see iter_all
+DEFAULT_FETCH_WAIT_MS: int = BrokerConfig.model_fields["fetch_wait_ms"].default
 
 Headers = dict[str, str | bytes] | list[tuple[str, str | bytes]]
 
@@ -83,9 +85,8 @@ def consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> dict[str
         # timeout keeps joins short. Tansu drops sessions when it is much shorter than this, so do not go lower.
         "session.timeout.ms": 6000,
         "heartbeat.interval.ms": 1000,
-        # Tansu answers a waiting fetch only when this expires, so it is the latency floor;
-        # on Kafka it merely bounds how long an empty fetch waits.
-        "fetch.wait.max.ms": 20,
+        # broker.fetch_wait_ms; on Kafka it merely bounds how long an empty fetch waits.
+        "fetch.wait.max.ms": DEFAULT_FETCH_WAIT_MS,
         # A trainer step between polls can take minutes on CPU.
         "max.poll.interval.ms": 600_000,
         # One message may be MAX_MESSAGE_BYTES; the fetch and socket limits must admit it.
@@ -103,9 +104,11 @@ def make_producer(bootstrap: str, **overrides: Any) -> Producer:
     return Producer({**producer_config(bootstrap, **overrides), "logger": client_log})
 
 
-def make_consumer(bootstrap: str, group_id: str, topics: list[str] | None = None, **overrides: Any) -> Consumer:
-    """A consumer with `consumer_config` settings, subscribed to `topics` if given."""
-    consumer = Consumer({**consumer_config(bootstrap, group_id, **overrides), "logger": client_log})
+def make_consumer(bootstrap: str, group_id: str, topics: list[str] | None = None,
+                  fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS, **overrides: Any) -> Consumer:
+    """A consumer with `consumer_config` settings and `broker.fetch_wait_ms`, subscribed to `topics` if given."""
+    settings = consumer_config(bootstrap, group_id, **{"fetch.wait.max.ms": fetch_wait_ms, **overrides})
+    consumer = Consumer({**settings, "logger": client_log})
     if topics:
         consumer.subscribe(topics)
     return consumer

@@ -26,6 +26,7 @@ from confluent_kafka import KafkaError, TopicPartition
 from sao.policy.deltas import DELTA_MAX_SNAPSHOT_SHARE
 from sao.schema import ChunkRange, PolicyAnnouncement, SchemaError, WeightsChunk, decode, encode
 from sao.transport.kafka import (
+    DEFAULT_FETCH_WAIT_MS,
     MAX_MESSAGE_BYTES,
     DeliveryFailed,
     await_acknowledgements,
@@ -127,10 +128,10 @@ class WeightsSender:
 class WeightsFetcher:
     """A sampler's end: fetches an announced version's chunks into a file of its own."""
 
-    def __init__(self, bootstrap: str, topic: str, timeout_s: float):
+    def __init__(self, bootstrap: str, topic: str, timeout_s: float, fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS):
         self.topic, self.timeout_s = topic, timeout_s
         # "error": an offset that retention removed is reported, not silently replaced by the earliest one.
-        self.consumer = make_consumer(bootstrap, f"sao-weights-reader-{uuid.uuid4().hex[:8]}",
+        self.consumer = make_consumer(bootstrap, f"sao-weights-reader-{uuid.uuid4().hex[:8]}", fetch_wait_ms=fetch_wait_ms,
                                       **{"auto.offset.reset": "error", "queued.max.messages.kbytes": _QUEUED_KBYTES})
 
     def check(self, announcement: PolicyAnnouncement, max_bytes: int) -> ChunkRange:
