@@ -7,12 +7,14 @@ multi-turn arithmetic episodes of a stuck learner; seeds no alignment run uses) 
 through the sampler's compressor. Each scored step's recorded action is teacher-forced under
 six contexts:
   full   - prompt + every earlier step as text (the upper bound, and the KL reference)
-  sao    - prompt + memory soft tokens (aligned projector) + recent window + observation
+  sao    - prompt + memory soft tokens (aligned projector) + the turns memory recalls as text
+           (`--recall-turns`, compression.recall_turns) + recent window + observation
   zero   - the same with the zero projector (what a run without alignment reads)
-  other  - the aligned projector reading another episode's memory (as many slots, wrong content):
+  other  - the aligned projector reading another episode's memory (as many slots, wrong content;
+           the turns recalled stay this episode's):
            what sao gains over it is what the memory says about this episode; what it shares with
            it is a learned prompt (e.g. "the replies are short commands")
-  recent - prompt + recent window + observation (truncation)
+  recent - prompt + recent window + observation (truncation: no slots, nothing recalled)
   none   - prompt + observation
 (`--recall-only` scores only the labyrinth actions whose object only the past names - putting a
 gem on the altar, dropping an item - where memory's content, not its form, has to help)
@@ -132,7 +134,7 @@ def score_episode(policy, item, donor, steps: list[int], batch: int, zero_state,
     teacher = episode_full_text_logprobs(policy, item.trajectory)
     builders = {"sao": lambda s: item.student[s], "zero": lambda s: item.student[s],
                 "other": lambda s: replace(item.student[s], memory=donor_memory(donor, len(item.student[s].memory))),
-                "recent": lambda s: without_memory(item.student[s]),
+                "recent": lambda s: without_memory(item.trajectory, s),
                 "none": lambda s: no_history_input(item.trajectory, s)}
     rows = [{"step": s, "env": item.episode.env} for s in steps]
     choices = {s: gem_choice(item, s, chat) if item.episode.env == "textworld" else None for s in steps}
@@ -209,7 +211,7 @@ def wire_cost(prepared) -> dict:
 def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: int, longest: int,
                     bottleneck=None) -> dict:
     """Tokens + soft tokens the policy reads at steps 10, 100, 1000 (up to `longest`) of one labyrinth episode."""
-    from sao.offline.align import full_text_input, labyrinth_corpus, prepare
+    from sao.offline.align import full_text_input, labyrinth_corpus, prepare, without_memory
 
     # The random agent almost never finishes, so its episode runs to max_steps.
     episode = labyrinth_corpus(seed, 1, max_steps=longest + 1, random_every=1)[0]
@@ -218,11 +220,13 @@ def context_lengths(config, encoder, temporal_filter, recent_window: int, seed: 
     for step in LENGTH_STEPS:
         if step > longest or step >= len(item.student):
             continue
-        x, full = item.student[step], full_text_input(item.trajectory, step)
-        full_length, recent_length = len(full.prompt_ids) + len(full.context_ids), len(x.prompt_ids) + len(x.context_ids)
+        x, full, recent = item.student[step], full_text_input(item.trajectory, step), without_memory(item.trajectory, step)
+        full_length = len(full.prompt_ids) + len(full.context_ids)
+        recent_length = len(recent.prompt_ids) + len(recent.context_ids)
         replaced = full_length - recent_length  # tokens of the steps memory stands for
-        slots = len(x.memory)
-        lengths[str(step)] = {"full": full_length, "sao": recent_length + slots, "soft_tokens": slots,
+        slots, recalled = len(x.memory), len(x.context_ids) - len(recent.context_ids)  # recalled turns' tokens
+        lengths[str(step)] = {"full": full_length, "sao": recent_length + recalled + slots, "soft_tokens": slots,
+                              "recalled_tokens": recalled,
                               "recent": recent_length, "replaced_tokens": replaced,
                               "tokens_per_slot": replaced / slots if slots else math.nan,
                               # On the wire: an INT8 slot (dim bytes + a float32 scale) vs the int32 token
@@ -273,6 +277,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=160, help="labyrinth step limit of the scored episodes")
     parser.add_argument("--steps-per-episode", type=int, default=24, help="scored actions per episode")
     parser.add_argument("--recent-window", type=int, default=1, help="finished steps in full text")
+    parser.add_argument("--recall-turns", type=int, default=None,
+                        help="compression.recall_turns: earlier turns memory puts back as text; default: the config's")
     parser.add_argument("--keep-threshold", type=float, default=None,
                         help="compression.keep_threshold: higher keeps fewer, coarser slots (fewer bytes); "
                              "default: the temporal weights' calibrated value")
@@ -312,6 +318,8 @@ def main() -> None:
         overrides.append(f"compression.keep_threshold={args.keep_threshold}")
     if args.bottleneck is not None:
         overrides.append(f"compression.bottleneck={json.dumps(args.bottleneck)}")
+    if args.recall_turns is not None:
+        overrides.append(f"compression.recall_turns={args.recall_turns}")
     try:
         config = load_config(overrides=overrides, environ={})
     except ConfigError as err:

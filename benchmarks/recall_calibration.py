@@ -38,7 +38,9 @@ def questions_of(chat, spec: dict, recent_window: int, memory_width: int, compre
     """Each question of one episode: its fact's value, the distance in turns from the fact, and the
     TurnInput of each context. Replies before it are teacher-forced: what the rules ask for (`Turn.reply`).
     With a sampler's `compressor` (an OnlineCompressor) every finished turn is also fed to it as an episode
-    feeds it, and each question gets `memory`: the slots it holds visible when the question is asked."""
+    feeds it, and each question gets `memory`: the slots it holds visible when the question is asked, with
+    what recall ranks them by (`spans`, the question's `query`, the first turn still in the recent window
+    `before`) and the turns as ids (`finished`, `observation_ids`)."""
     from sao.envs.recall import build_episode
     from sao.policy.chat import turn_text
     from sao.policy.context import TurnInput, turn_tokens
@@ -54,11 +56,15 @@ def questions_of(chat, spec: dict, recent_window: int, memory_width: int, compre
     for index, turn in enumerate(turns):
         if turn.fact is not None:
             windows = {"full": len(finished), "recent": recent_window}
-            found.append({"value": turn.fact.value, "stated": episode.values, "distance": index - stated_at[turn.fact.statement],
+            found.append({"value": turn.fact.value, "stated": episode.values, "turn": index,
+                          "distance": index - stated_at[turn.fact.statement],
                           "inputs": {c: TurnInput(prompt_ids, no_memory, turn_tokens(finished, observation_ids, w),
                                                   np.zeros(0, np.int32)) for c, w in windows.items()}})
-            if compressor is not None:
-                found[-1]["memory"] = compressor.dequantized(compressor.visible_slots())
+            if compressor is not None:  # what recall needs to rank this memory for any question, own or not
+                visible = compressor.visible_slots()
+                found[-1].update(memory=compressor.dequantized(visible), spans=compressor.memory().spans[visible],
+                                 query=compressor.query(turn.text), before=len(finished) - recent_window,
+                                 finished=list(finished), observation_ids=observation_ids)
         action_ids = chat.action_ids(turn.reply)
         finished.append((observation_ids, action_ids))
         if index + 1 < len(turns):

@@ -207,6 +207,12 @@ class CompressionConfig(Section):
                              "become memory. At >= 1 a retry sees its own last answer and the feedback as a "
                              "well-formed chat (user / assistant / user); 0 leaves every earlier turn to memory "
                              "alone, and the chat text then shows two user turns in a row.")
+    recall_turns: int = Field(
+        1, ge=0, le=16,
+        description="Earlier turns the memory puts back as text at each turn, before the recent window: the visible "
+                    "slots nearest the current observation (cosine of its embedding and theirs, in the slots' own "
+                    "coordinates) give the turns they stand for, nearest first. Trajectories name them per step, so "
+                    "the trainer rebuilds the same context. 0 = memory reaches the policy as soft tokens only.")
 
 
 class SamplerConfig(Section):

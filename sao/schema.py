@@ -142,6 +142,8 @@ class Step:
     The policy saw the first `memory_count` slots of the trajectory's memory table (as soft
     tokens) when it generated this action. Slots become visible in the order they are created,
     so a count says as much as an index list, at 1 integer per step instead of O(steps).
+    `recalled` names the earlier steps the memory put back as text before the recent window
+    (ascending; each older than the recent window), so the trainer rebuilds the same context.
     """
 
     observation_ids: np.ndarray  # int32 [n]
@@ -150,6 +152,7 @@ class Step:
     reward: float
     done: bool
     memory_count: int
+    recalled: tuple[int, ...] = ()
 
     def check_values(self, index: int) -> None:
         """Log-probs finite and <= 0 (with float32 slack), reward finite."""
@@ -215,6 +218,7 @@ def _steps_to_wire(steps: list[Step]) -> dict[str, Any]:
         "rewards": [float(step.reward) for step in steps],
         "done": [bool(step.done) for step in steps],
         "memory_counts": [int(step.memory_count) for step in steps],
+        "recalled": [[int(turn) for turn in step.recalled] for step in steps],
         "token_ids": codec.joined_array(ids, np.int32),
         "behaviour_logprobs": codec.joined_array([step.behaviour_logprobs for step in steps], np.float32),
     }
@@ -237,7 +241,25 @@ def _step_list(columns: dict, name: str, count: int | None) -> list:
     return values
 
 
-def _steps_from_wire(columns: Any) -> tuple[list[Step], np.ndarray, np.ndarray]:
+def _recalled_from_wire(columns: dict, count: int, recent_window: int) -> list[tuple[int, ...]]:
+    """Each step's recalled turns: ascending integers, each a turn that had left the recent window (absent: none)."""
+    values = columns.get("recalled", _MISSING)
+    if values is _MISSING:
+        return [()] * count
+    _require(type(values) is list and len(values) == count, "steps.recalled", f"expected a list of {count} lists")
+    recalled = []
+    for i, turns in enumerate(values):
+        _require(type(turns) is list and all(type(t) is int for t in turns), f"steps[{i}].recalled",
+                 "expected a list of integers")
+        if turns:
+            below = i - max(recent_window, 0)  # older turns only: the recent window is in the context already
+            _require(turns[0] >= 0 and turns[-1] < below and all(a < b for a, b in itertools.pairwise(turns)),
+                     f"steps[{i}].recalled", f"turns must ascend, each in [0, {below})")
+        recalled.append(tuple(turns))
+    return recalled
+
+
+def _steps_from_wire(columns: Any, recent_window: int) -> tuple[list[Step], np.ndarray, np.ndarray]:
     """Decode the step columns and check their structure and numbers; the steps view two buffers, also returned.
 
     Structure is checked column by column (the lists, then the two arrays), numbers step by step:
@@ -267,9 +289,11 @@ def _steps_from_wire(columns: Any) -> tuple[list[Step], np.ndarray, np.ndarray]:
         _fail("steps.token_ids", f"{len(token_ids)} ids for observations and actions of {token_bounds[-1]} tokens")
     if len(logprobs) != logprob_bounds[-1]:
         _fail("steps.behaviour_logprobs", f"{len(logprobs)} log-probs for {logprob_bounds[-1]} action tokens")
+    recalled = _recalled_from_wire(columns, count, recent_window)
     steps = [Step(token_ids[token_bounds[2 * i]:token_bounds[2 * i + 1]],
                   token_ids[token_bounds[2 * i + 1]:token_bounds[2 * i + 2]],
-                  logprobs[logprob_bounds[i]:logprob_bounds[i + 1]], rewards[i], done[i], memory_counts[i])
+                  logprobs[logprob_bounds[i]:logprob_bounds[i + 1]], rewards[i], done[i], memory_counts[i],
+                  recalled[i])
              for i in range(count)]
     # One test over all log-probs and rewards (NaN fails both comparisons; +inf the max, -inf the min);
     # only when it fails do the steps go one by one, to name the first bad one.
@@ -341,7 +365,8 @@ class Trajectory:
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> Trajectory:
-        steps, token_ids, logprobs = _steps_from_wire(obj.get("steps", _MISSING))
+        recent_window = _get(obj, "recent_window", int)
+        steps, token_ids, logprobs = _steps_from_wire(obj.get("steps", _MISSING), recent_window)
         memory = Memory.from_wire(obj.get("memory"))
         for i, step in enumerate(steps):
             if not 0 <= step.memory_count <= len(memory.vectors):  # the message is built only on failure
@@ -359,7 +384,7 @@ class Trajectory:
             env=_get(obj, "env", str), sampler_id=_get(obj, "sampler_id", str), behaviour_version=version,
             prompt_ids=unpack_array(obj.get("prompt_ids"), "prompt_ids", np.int32, 1), steps=steps,
             memory=memory, temperature=temperature, encoder=_get(obj, "encoder", str),
-            recent_window=_get(obj, "recent_window", int), created_at=float(_get(obj, "created_at", (int, float))),
+            recent_window=recent_window, created_at=float(_get(obj, "created_at", (int, float))),
             timings=dict(_get(obj, "timings", dict)), compression=dict(_get(obj, "compression", dict)), top_p=top_p,
             memory_basis=memory_basis,
         )

@@ -30,7 +30,8 @@ class ContextCost:
 
 
 def context_costs(prompt_tokens: int, turn_tokens: Sequence[int], visible_slots: Sequence[int], dim: int,
-                  recent_window: int, memory_width: int | None = None) -> dict[str, ContextCost]:
+                  recent_window: int, memory_width: int | None = None,
+                  recalled_tokens: Sequence[int] | None = None) -> dict[str, ContextCost]:
     """Per-step contexts summed over the trajectory, after each compression stage.
 
     `turn_tokens[t]` is step t's observation + action token count and `visible_slots[t]` the
@@ -42,6 +43,8 @@ def context_costs(prompt_tokens: int, turn_tokens: Sequence[int], visible_slots:
       temporal  one float32 embedding per kept slot;
       int8      one int8 vector (`memory_width` codes: the bottleneck's, default the encoder's `dim`) + float32
                 scale per kept slot: what sao's policy reads.
+    `recalled_tokens[t]`, if given, counts the older turns step t was shown again as text (memory's recall):
+    text in every stage but the naive one, where those turns are already among the older steps.
     """
     memory_width = dim if memory_width is None else memory_width
     if len(turn_tokens) != len(visible_slots):
@@ -54,10 +57,11 @@ def context_costs(prompt_tokens: int, turn_tokens: Sequence[int], visible_slots:
             older_tokens += turn_tokens[older_steps - 1]
         recent = sum(turn_tokens[older_steps:t])
         text = prompt_tokens + recent + current  # always in full
+        recalled = recalled_tokens[t] if recalled_tokens is not None else 0
         for stage, vectors, vector_bytes in (("semantic", older_steps, 4 * dim), ("temporal", slots, 4 * dim),
                                              ("int8", slots, memory_width + 4)):
-            totals[stage][0] += text + vectors
-            totals[stage][1] += text * TOKEN_BYTES + vectors * vector_bytes
+            totals[stage][0] += text + recalled + vectors
+            totals[stage][1] += (text + recalled) * TOKEN_BYTES + vectors * vector_bytes
         totals["naive"][0] += text + older_tokens
         totals["naive"][1] += (text + older_tokens) * TOKEN_BYTES
     return {stage: ContextCost(*totals[stage]) for stage in STAGES}
@@ -67,13 +71,15 @@ def trajectory_context_costs(trajectory: Trajectory, encoder_dim: int | None = N
     """`context_costs` of a trajectory as the sampler sent it. Its memory's width is the int8 stage's; the
     embeddings before it are `encoder_dim` wide (default: the same, right when no bottleneck narrowed them)."""
     memory_width = trajectory.memory.vectors.shape[1]
+    turn_tokens = [len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps]
     return context_costs(
         len(trajectory.prompt_ids),
-        [len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps],
+        turn_tokens,
         [s.memory_count for s in trajectory.steps],
         encoder_dim or memory_width,
         trajectory.recent_window,
         memory_width=memory_width,
+        recalled_tokens=[sum(turn_tokens[turn] for turn in s.recalled) for s in trajectory.steps],
     )
 
 
@@ -98,7 +104,8 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
     stored_once  the conversation's token ids once (prompt + each step's observation and
                  action), from which every naive context can be rebuilt;
     memory       sao's INT8 memory table (vectors, scales, spans, reward sums);
-    slot_refs    each step's `memory_count` (one int32 per step: the visible slots are a prefix);
+    slot_refs    each step's `memory_count` (one int32 per step: the visible slots are a prefix) and the
+                 turns it recalled (one int32 each);
     sao          stored_once + memory + slot_refs: every array the trainer needs to rebuild
                  each step's context exactly as the policy saw it;
     message      the whole msgpack message (also behaviour log-probs, ids, timings, framing).
@@ -107,7 +114,7 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
     naive = naive_context_tokens(len(trajectory.prompt_ids), trajectory.steps)
     memory = trajectory.memory
     memory_bytes = memory.vectors.nbytes + memory.scales.nbytes + memory.spans.nbytes + memory.reward_sums.nbytes
-    slot_refs = 4 * len(trajectory.steps)
+    slot_refs = 4 * (len(trajectory.steps) + sum(len(s.recalled) for s in trajectory.steps))
     stored_once = history * TOKEN_BYTES
     return {
         "naive": naive * TOKEN_BYTES,

@@ -4,6 +4,10 @@ Memory is a table of slots. A kept step creates a slot holding its INT8 embeddin
 INT8 coordinates in the bottleneck's basis); a redundant step merges into the latest slot, which only
 extends that slot's span and reward sum. A slot's vector never changes, so a context built from the
 memory earlier stays reproducible.
+
+The table is also the episode's index: `OnlineCompressor.recall` ranks the visible slots by how close
+each is to the turn about to be played and names the turns the nearest ones stand for, which the
+sampler puts back in the context as text (`compression.recall_turns`).
 """
 
 from __future__ import annotations
@@ -68,6 +72,29 @@ def visible_slots_at(created_at_turn: Sequence[int], turn: int, recent_window: i
     """
     horizon = turn - 1 - recent_window
     return [i for i, created in enumerate(created_at_turn) if created <= horizon]
+
+
+def recall_turns(slot_vectors: np.ndarray, spans: np.ndarray, query: np.ndarray, turns: int,
+                 before: int) -> list[int]:
+    """Up to `turns` turn indices below `before`, ascending: those of the slots nearest `query` (cosine),
+    nearest slot first. The slots are the visible ones (each created before `before`).
+
+    A slot gives the turn its vector encodes, then the other turns it stands for (merged into it as
+    redundant), latest first: a merged turn has no vector of its own, so only its slot can find it.
+    Turns from `before` on are still in the recent window, shown as text already.
+    """
+    if turns <= 0 or not len(slot_vectors):
+        return []
+    norms = np.linalg.norm(slot_vectors, axis=1) * (np.linalg.norm(query) or 1.0)
+    similarity = slot_vectors @ query / np.where(norms > 0, norms, 1.0)
+    chosen: list[int] = []
+    for slot in np.argsort(-similarity, kind="stable"):
+        first, last = (int(t) for t in spans[slot])
+        for turn in [first, *range(min(last, before - 1), first, -1)]:
+            if len(chosen) == turns:
+                return sorted(chosen)
+            chosen.append(turn)
+    return sorted(chosen)
 
 
 class _SlotTable:
@@ -167,6 +194,23 @@ class OnlineCompressor:
         self._seconds["filter"] += filtered - encoded
         self._seconds["quantize"] += time.perf_counter() - filtered
         return decision
+
+    def query(self, observation: str) -> np.ndarray:
+        """`observation`'s embedding in the slots' coordinates (float32 [memory_width]): what recall ranks by."""
+        started = time.perf_counter()
+        embedding = self.encoder.encode([observation])
+        self._seconds["encode"] += time.perf_counter() - started
+        return (embedding if self._slots.bottleneck is None else self._slots.bottleneck.encode(embedding))[0]
+
+    def recall(self, observation: str, turns: int) -> list[int]:
+        """Earlier turns to show as text beside the visible memory: up to `turns` of them, those of the visible
+        slots nearest `observation` (the turn about to be played)."""
+        visible = self.visible_slots()
+        if turns <= 0 or not visible:
+            return []
+        spans = np.array([self._slots.spans[i] for i in visible], dtype=np.int32)
+        return recall_turns(self.dequantized(visible), spans, self.query(observation), turns,
+                            before=self._slots.turns - self._slots.recent_window)
 
     def memory(self) -> MemoryTable:
         """A snapshot copy of the slot table."""

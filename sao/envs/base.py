@@ -61,6 +61,8 @@ class Env(Protocol):
     An env class may set `generation_defaults = GenerationDefaults(...)` (see the registry), and
     `turns_are_attempts = True` when every turn answers the same question again (a retry), not a
     move in a longer task: `trainer.turn_credit = "auto"` then credits each turn with its own reward.
+    Held-out scoring asks the class for an episode's success in [0, 1]: `success(spec, step_rewards)` if it
+    defines one, else the first turn's (`first_attempt_success`), right for envs whose turns are attempts.
     """
 
     name: str
@@ -74,3 +76,8 @@ class Env(Protocol):
     def reset(self, spec: dict[str, Any]) -> str: ...
 
     def step(self, action: str) -> Feedback: ...
+
+
+def first_attempt_success(spec: dict[str, Any], step_rewards: list[float]) -> float:
+    """1 when the episode's first turn earned a full reward: a retry env's first try."""
+    return float(bool(step_rewards) and step_rewards[0] >= 1.0)

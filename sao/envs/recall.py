@@ -242,6 +242,11 @@ class RecallEnv:
                      spec={**options, "seed": seed, "index": index, "split": split})
                 for index in range(start_index, start_index + count)]
 
+    @staticmethod
+    def success(spec: dict[str, Any], step_rewards: list[float]) -> float:
+        """The share of the episode's questions answered right (only a right answer earns: 1 each)."""
+        return min(1.0, sum(step_rewards) / task_options(spec)["questions"])
+
     def __init__(self) -> None:
         self.episode: Episode | None = None
         self.turn = 0

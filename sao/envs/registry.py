@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sao.config import EnvConfig, SaoConfig
-from sao.envs.base import Env, GenerationDefaults, check_split
+from sao.envs.base import Env, GenerationDefaults, check_split, first_attempt_success
 from sao.schema import Task
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,16 @@ def turn_credit(config: SaoConfig) -> str:
         logger.warning("trainer.turn_credit auto: %s; crediting reward_to_go (set trainer.turn_credit to choose)", err)
         return "reward_to_go"
     return "own_reward" if getattr(cls, "turns_are_attempts", False) else "reward_to_go"
+
+
+def episode_success(name: str) -> Callable[[dict[str, Any], list[float]], float]:
+    """How env `name` scores a held-out episode in [0, 1]: its class's `success`, else the first turn's reward."""
+    return getattr(env_class(name), "success", first_attempt_success)
+
+
+def scores_first_turn_only(name: str) -> bool:
+    """Whether a held-out episode of env `name` is decided by its first turn, so a scorer may stop there."""
+    return episode_success(name) is first_attempt_success
 
 
 def generation_settings(config: SaoConfig) -> GenerationSettings:

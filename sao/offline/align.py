@@ -60,7 +60,7 @@ def chat_formats(config: SaoConfig, envs: Sequence[str]) -> dict[str, ChatFormat
 
 def prepare(episodes: Sequence[Episode], config: SaoConfig, encoder, temporal_filter,
             recent_window: int, bottleneck=None) -> list[PreparedEpisode]:
-    """Replay each episode through the compressor (exactly the sampler's memory) into student inputs.
+    """Replay each episode through the compressor (exactly the sampler's memory and recall) into student inputs.
 
     Alignment leaves `bottleneck` unset: projectors are aligned in the encoder's space (the policy composes them
     with a bottleneck at load); benchmarks pass one to read memory as it travels."""
@@ -68,7 +68,8 @@ def prepare(episodes: Sequence[Episode], config: SaoConfig, encoder, temporal_fi
     prepared = []
     for episode in episodes:
         trajectory, _ = replay_episode(episode, chats[episode.env], encoder, temporal_filter.fork(),
-                                       recent_window=recent_window, bottleneck=bottleneck)
+                                       recent_window=recent_window, bottleneck=bottleneck,
+                                       recall_turns=config.compression.recall_turns)
         prepared.append(PreparedEpisode(episode, trajectory, training_inputs(trajectory)))
     return prepared
 
@@ -81,10 +82,12 @@ def full_text_input(trajectory: Trajectory, step: int) -> TurnInput:
                      turn_tokens(finished, current.observation_ids, len(finished)), current.action_ids)
 
 
-def without_memory(student: TurnInput) -> TurnInput:
-    """The same step without its memory slots: the recent window alone (truncation)."""
-    return TurnInput(student.prompt_ids, np.zeros((0, student.memory.shape[1]), np.float32), student.context_ids,
-                     student.action_ids)
+def without_memory(trajectory: Trajectory, step: int) -> TurnInput:
+    """Step `step` without what memory gives it, slots and recalled turns: the recent window alone (truncation)."""
+    finished = [(s.observation_ids, s.action_ids) for s in trajectory.steps[:step]]
+    current = trajectory.steps[step]
+    return TurnInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
+                     turn_tokens(finished, current.observation_ids, trajectory.recent_window), current.action_ids)
 
 
 def no_history_input(trajectory: Trajectory, step: int) -> TurnInput:
@@ -180,7 +183,7 @@ def step_kls(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: S
         chunk = pairs[start:start + batch_size]
         teachers = {e: teachers[e] if e in teachers else episode_full_text_logprobs(policy, prepared[e].trajectory)
                     for e in sorted({e for e, _ in chunk})}
-        inputs = [prepared[e].student[s] if memory else without_memory(prepared[e].student[s]) for e, s in chunk]
+        inputs = [prepared[e].student[s] if memory else without_memory(prepared[e].trajectory, s) for e, s in chunk]
         for (e, s), student in zip(chunk, context_logprobs(policy, inputs)):
             teacher = teachers[e][s]
             out.append((float((teacher.exp() * (teacher - student)).sum()), len(teacher)))

@@ -409,6 +409,7 @@ def align(out: Annotated[Path | None, typer.Option(
               "--threads", str(threads)]  # the thread count can change float sums, so it is part of the recipe
     flags += [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
     meta = {"model": model, "encoder": encoder_identity, "corpus": source, "recent_window": window,
+            "recall_turns": cfg.compression.recall_turns,
             "temporal_filter": temporal_filter.meta.get("command", "shipped default"),
             "command": shlex.join(["sao", "compression", "align", *flags]), "seed": seed,
             "projector": "linear", "teacher": "same LM reading the full history as text",

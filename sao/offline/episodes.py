@@ -181,8 +181,8 @@ def read_episodes_from_topic(bootstrap: str, topic: str, tokenizer: PreTrainedTo
 
 def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_filter: TemporalFilter,
                    recent_window: int = 1, sampler_id: str = "replay",
-                   embeddings: np.ndarray | None = None, bottleneck: Bottleneck | None = None
-                   ) -> tuple[Trajectory, list[Decision]]:
+                   embeddings: np.ndarray | None = None, bottleneck: Bottleneck | None = None,
+                   recall_turns: int = 0) -> tuple[Trajectory, list[Decision]]:
     """The trajectory a sampler would send had its policy taken the recorded actions.
 
     `chat` is the sampler's `sao.policy.chat.ChatFormat` (token ids are built exactly as
@@ -191,24 +191,34 @@ def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_fi
     sampler's online path, over every step but a final `done` one, as the sampler does.
     `embeddings` may hold `encoder.encode(episode.texts())` (or its first rows) computed earlier. With a
     `bottleneck` the memory travels as its coordinates, as a sampler's with compression.bottleneck set.
+    With `recall_turns` each step recalls earlier turns as the sampler's `OnlineCompressor.recall` does.
     Returns the trajectory and the filter's decision for each compressed step.
     """
+    from sao.compression import pipeline
     from sao.compression.bottleneck import basis_name
     from sao.compression.pipeline import compress_batch, visible_slots_at
+    from sao.compression.quantize import dequantize_int8
 
     compressed = episode.compressed_steps()
     table, _, decisions = compress_batch(
         episode.texts()[:compressed], episode.rewards()[:compressed], encoder, temporal_filter,
         recent_window=recent_window, embeddings=None if embeddings is None else embeddings[:compressed],
         bottleneck=bottleneck)
+    vectors = dequantize_int8(table.vectors, table.scales) if len(table) else table.vectors.astype(np.float32)
+    queries = None
+    if recall_turns > 0 and len(table):  # the sampler's query: the observation, in the slots' coordinates
+        queries = encoder.encode([step.observation for step in episode.steps])
+        queries = queries if bottleneck is None else bottleneck.encode(queries)
     steps = []
     for index, step in enumerate(episode.steps):
         observation_ids = (chat.first_observation(step.observation) if index == 0
                            else chat.feedback_observation(step.observation, steps[-1].action_ids))
         action_ids = chat.action_ids(step.action)
         visible = len(visible_slots_at(table.created_at_turn, index, recent_window))
+        recalled = () if queries is None or not visible else tuple(pipeline.recall_turns(
+            vectors[:visible], table.spans[:visible], queries[index], recall_turns, before=index - recent_window))
         steps.append(Step(observation_ids, action_ids, np.zeros(len(action_ids), np.float32), step.reward,
-                          step.done, visible))
+                          step.done, visible, recalled))
     used = max((step.memory_count for step in steps), default=0)  # as the sampler: unseen slots are not sent
     memory = Memory(table.vectors[:used], table.scales[:used], table.spans[:used], table.reward_sums[:used])
     prompt_text = episode.steps[0].observation if episode.steps else ""

@@ -1,9 +1,10 @@
 """What the policy sees at turn t: one definition shared by the sampler and the trainer.
 
 Layout of a turn's input, left to right:
-    prompt_ids | one soft token per visible memory slot | recent turns in full | observation_t | action_t
+    prompt_ids | one soft token per visible memory slot | recalled turns | recent turns | observation_t | action_t
 The recent turns are the last `recent_window` finished turns (observation + action tokens);
-older turns reach the policy only through memory. Because the sampler and the trainer both
+older turns reach the policy through memory, and the few the memory recalls for this turn
+(`Step.recalled`, in turn order) also as text. Because the sampler and the trainer both
 build contexts with `turn_tokens`, the trainer recomputes exactly what the sampler sampled from.
 
 With `recent_window >= 1` the text after the memory is a well-formed chat: an observation opens
@@ -13,6 +14,7 @@ that turn's action. At 0 it follows the memory instead, and the text shows two u
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,10 +38,11 @@ class TurnInput:
 
 
 def turn_tokens(finished: list[tuple[np.ndarray, np.ndarray]], observation_ids: np.ndarray,
-                recent_window: int) -> np.ndarray:
-    """Token ids after the memory: the last `recent_window` finished (obs, action) pairs + obs_t."""
+                recent_window: int, recalled: Sequence[int] = ()) -> np.ndarray:
+    """Token ids after the memory: the recalled finished (obs, action) pairs, the last `recent_window` ones, obs_t."""
     recent = finished[len(finished) - recent_window:] if recent_window > 0 else []
-    pieces = [ids for pair in recent for ids in pair] + [observation_ids]
+    pairs = [finished[turn] for turn in recalled] + recent
+    pieces = [ids for pair in pairs for ids in pair] + [observation_ids]
     return np.concatenate([np.asarray(p, dtype=np.int32) for p in pieces])
 
 
@@ -51,7 +54,7 @@ def training_inputs(trajectory: Trajectory) -> list[TurnInput]:
         inputs.append(TurnInput(
             prompt_ids=trajectory.prompt_ids,
             memory=trajectory.memory.dequantized(turn.memory_count),
-            context_ids=turn_tokens(finished, turn.observation_ids, trajectory.recent_window),
+            context_ids=turn_tokens(finished, turn.observation_ids, trajectory.recent_window, turn.recalled),
             action_ids=turn.action_ids,
         ))
         finished.append((turn.observation_ids, turn.action_ids))

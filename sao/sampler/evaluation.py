@@ -22,7 +22,7 @@ import torch
 
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
-from sao.envs.registry import make_tasks
+from sao.envs.registry import episode_success, make_tasks
 from sao.policy.chain import read_version_into
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
@@ -32,7 +32,8 @@ from sao.status import attempt_success
 
 log = logging.getLogger(__name__)
 
-# task id -> {"first_try": 0 or 1, "second_try": 0 or 1 or None (no second attempt), "second_penalised": 0 or 1 or
+# task id -> {"first_try": 0 or 1 (an env that defines `success`, e.g. recall: that, in [0, 1]), "second_try": 0 or 1
+# or None (no second attempt), "second_penalised": 0 or 1 or
 # None (the env scored the second attempt below 0: arithmetic's repeat_penalty), "reward": total reward}
 TaskScores = dict[str, dict[str, float | None]]
 
@@ -116,18 +117,21 @@ class Scorer:
         self.loaded_version = version
 
     def score(self, version: int, tasks: list[Task], greedy: bool = True) -> tuple[TaskScores, dict[str, str]]:
-        """Per task: first-try success (the first turn's reward >= 1), second-try success (see
-        `attempt_success`) and total reward; and the tasks whose env failed, with the failure."""
+        """Per task: first-try success (the first turn's reward >= 1; the env's own `success` where it defines one),
+        second-try success (see `attempt_success`) and total reward; and the tasks whose env failed, with the
+        failure."""
         self.load(version)
+        success = episode_success(self.config.env.name)
         scores: TaskScores = {}
         failures: dict[str, str] = {}
         for task, outcome in zip(tasks, self.roller.rollout_batch(tasks, version, greedy, slots=self.slots)):
             if isinstance(outcome, EnvFailure):
                 failures[task.task_id] = str(outcome)
             else:
-                _, second_try = attempt_success([step.reward for step in outcome.steps])
+                _, second_try = attempt_success([step.reward for step in outcome.steps])  # retry envs
                 penalised = None if second_try is None else float(outcome.steps[1].reward < 0)
-                scores[task.task_id] = {"first_try": float(outcome.steps[0].reward >= 1.0), "second_try": second_try,
+                rewards = [step.reward for step in outcome.steps]
+                scores[task.task_id] = {"first_try": success(task.spec, rewards), "second_try": second_try,
                                         "second_penalised": penalised, "reward": outcome.total_reward}
         if failures:
             log.warning("v%d: the env failed on %d of %d held-out tasks (left out), e.g. %s", version, len(failures),

@@ -51,11 +51,14 @@ class LiveEpisode:
         self.steps: list[Step] = []
         self.done = False
         self.visible = 0
+        self.recalled: list[int] = []
 
     def next_input(self) -> TurnInput:
+        compression = self.roller.config.compression
         self.visible = len(self.compressor.visible_slots())  # always the first `visible` slots
+        self.recalled = self.compressor.recall(self.observation_text, compression.recall_turns)
         return TurnInput(self.prompt_ids, self.compressor.dequantized(list(range(self.visible))),
-                         turn_tokens(self.finished, self.observation_ids, self.roller.config.compression.recent_window),
+                         turn_tokens(self.finished, self.observation_ids, compression.recent_window, self.recalled),
                          np.zeros(0, np.int32))
 
     def advance(self, action_ids: np.ndarray, logprobs: np.ndarray) -> None:
@@ -63,7 +66,7 @@ class LiveEpisode:
         action_text = self.roller.chat.action_text(action_ids)
         feedback = call_env("env.step", self.env.step, action_text, timeout_s=self.limit)
         self.steps.append(Step(self.observation_ids, action_ids, logprobs, feedback.reward, feedback.done,
-                               self.visible))
+                               self.visible, tuple(self.recalled)))
         self.finished.append((self.observation_ids, action_ids))
         self.done = feedback.done or len(self.steps) >= self.roller.config.env.max_turns
         if not self.done:

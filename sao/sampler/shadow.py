@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from sao.config import SaoConfig
+from sao.envs.registry import scores_first_turn_only
 from sao.run_dir import RunDir
 from sao.sampler.evaluation import Scorer, base_model_scores, validation_tasks
 from sao.status import process_usage, write_status
@@ -30,9 +31,10 @@ def serve(config: SaoConfig, run_dir: Path, poll_s: float = 0.2) -> None:
     parent = os.getppid()
     signal.signal(signal.SIGTERM, _exit_now)
     tasks = validation_tasks(config)
-    # First try only: what the run's headline measures, at half the cost of an episode with a retry.
-    first_try = config.model_copy(update={"env": config.env.model_copy(update={"max_turns": 1})})
-    scorer = Scorer(first_try, run_dir.root, threads=1, slots=len(tasks))
+    # Where the first turn decides success (retry envs): that turn only, at half the cost of an episode with a retry.
+    if scores_first_turn_only(config.env.name):
+        config = config.model_copy(update={"env": config.env.model_copy(update={"max_turns": 1})})
+    scorer = Scorer(config, run_dir.root, threads=1, slots=len(tasks))
     log.info("shadow scorer ready: %d validation tasks", len(tasks))
     done: set[int] = set()
     while os.getppid() == parent:

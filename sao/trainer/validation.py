@@ -114,12 +114,13 @@ class TrajectoryValidator:
         total = longest = 0
         for i, step in enumerate(trajectory.steps):
             recent = sum(pair_lengths[len(pair_lengths) - window:]) if window else 0
+            recent += sum(pair_lengths[turn] for turn in step.recalled)  # earlier turns only: the decoder checked
             pair = len(step.observation_ids) + len(step.action_ids)
             row = prompt + step.memory_count + recent + pair
             if self.max_positions is not None and row > self.max_positions:
-                raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens (prompt, memory, recent steps, "
-                                                              f"observation, action) is over the model's "
-                                                              f"{self.max_positions} positions")
+                raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens (prompt, memory, recalled "
+                                                              f"and recent steps, observation, action) is over the "
+                                                              f"model's {self.max_positions} positions")
             if self.max_pass_tokens is not None and row > self.max_pass_tokens:
                 raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens is over the "
                                                               f"{self.max_pass_tokens} one training pass holds "

@@ -49,3 +49,16 @@ def test_trajectory_bytes_agree_with_the_trainer_and_the_wire():
     assert sizes["slot_refs"] == 4 * 4  # one int32 count per step
     assert sizes["sao"] == sizes["stored_once"] + sizes["memory"] + sizes["slot_refs"]
     assert sizes["message"] == len(encode(trajectory))
+
+
+def test_recalled_turns_count_as_text_in_every_stage_after_the_naive_one():
+    """Step 3 recalls step 0 (5 tokens): 5 more positions and 20 more bytes in each compressed stage."""
+    import dataclasses
+
+    plain = _trajectory()
+    recalled = dataclasses.replace(plain, steps=[*plain.steps[:3], dataclasses.replace(plain.steps[3], recalled=(0,))])
+    before, after = trajectory_context_costs(plain), trajectory_context_costs(recalled)
+    assert after["naive"] == before["naive"]
+    for stage in ("semantic", "temporal", "int8"):
+        assert after[stage].positions == before[stage].positions + 5
+        assert after[stage].bytes == before[stage].bytes + 4 * 5

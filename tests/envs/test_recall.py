@@ -140,3 +140,17 @@ def test_a_max_turns_below_the_episode_is_warned_about(caplog):
         assert not caplog.records
         make_env(CONFIG.model_copy(update={"max_turns": 2}))
     assert "env.max_turns=2 is below recall's turns=16" in caplog.text
+
+
+def test_held_out_success_is_the_share_of_questions_answered_and_needs_the_whole_episode():
+    """Held-out scoring and the shadow scorer use the env's own success: the first turn (the rules) decides nothing."""
+    from sao.envs.registry import episode_success, scores_first_turn_only
+
+    success = episode_success("recall")
+    spec = _tasks(1, questions=2, facts=4)[0].spec
+    assert success(spec, _play(spec, lambda fact: fact.value)) == 1.0
+    assert success(spec, _play(spec, lambda fact: "ok")) == 0.0
+    first_only = iter([True, False])
+    assert success(spec, _play(spec, lambda fact: fact.value if next(first_only) else "ok")) == 0.5
+    assert not scores_first_turn_only("recall") and scores_first_turn_only("arithmetic")
+    assert episode_success("arithmetic")({}, [1.0]) == 1.0 and episode_success("arithmetic")({}, [0.0, 1.0]) == 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +33,11 @@ def test_student_reads_memory_and_recent_window_teacher_reads_everything(prepare
     student, teacher = item.student[step], full_text_input(item.trajectory, step)
     assert len(student.memory) > 0 and len(teacher.memory) == 0
     assert len(teacher.context_ids) > len(student.context_ids)  # older steps are text only for the teacher
-    assert len(without_memory(student).memory) == 0
+    truncated = without_memory(item.trajectory, step)
+    assert len(truncated.memory) == 0
+    assert item.trajectory.steps[step].recalled  # compression.recall_turns: an older turn is text again
+    recalled = len(student.context_ids) - len(truncated.context_ids)
+    assert recalled > 0 and np.array_equal(truncated.context_ids, student.context_ids[recalled:])
 
 
 def test_alignment_reduces_kl_in_a_few_steps(tiny_config, prepared):
@@ -104,7 +109,7 @@ def test_informative_steps_are_those_the_recent_window_answers_least_like_full_t
     kl = {}
     for e, s in pairs:
         teacher = episode_full_text_logprobs(policy, prepared[e].trajectory)[s]
-        student = context_logprobs(policy, [without_memory(prepared[e].student[s])])[0]
+        student = context_logprobs(policy, [without_memory(prepared[e].trajectory, s)])[0]
         kl[(e, s)] = float((teacher.exp() * (teacher - student)).sum(-1).mean())
     chosen = informative_steps(policy, prepared, 0.25)
     assert len(chosen) == round(0.25 * len(pairs)) and set(chosen) <= set(pairs)

@@ -83,10 +83,10 @@ def test_the_second_attempt_sees_the_first_in_a_well_formed_chat(tiny_config, en
 
 
 def test_the_old_layout_is_not_a_well_formed_chat(tiny_config, encoder):
-    """recent_window = 0 (the old default): the retry sees question | memory | feedback, two user
+    """recent_window = 0 (the old default) without recall: the retry sees question | memory | feedback, two user
     turns in a row, without its own first answer. The check above catches it."""
     config = tiny_config.model_copy(deep=True)
-    config.compression.recent_window = 0
+    config.compression.recent_window, config.compression.recall_turns = 0, 0
     chat, trajectory, seen = recorded_two_attempt_episode(config, encoder)
     assert [s.memory_count for s in trajectory.steps] == [0, 1]
     question = make_env(config.env).reset(make_tasks(config.env, 1)[0].spec)
