@@ -14,6 +14,8 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sao.schema import MAX_RECALL_TURNS
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -208,7 +210,7 @@ class CompressionConfig(Section):
                              "well-formed chat (user / assistant / user); 0 leaves every earlier turn to memory "
                              "alone, and the chat text then shows two user turns in a row.")
     recall_turns: int = Field(
-        1, ge=0, le=16,
+        1, ge=0, le=MAX_RECALL_TURNS,
         description="Earlier turns the memory puts back as text at each turn, before the recent window: the visible "
                     "slots nearest the current observation (cosine of its embedding and theirs, in the slots' own "
                     "coordinates) give the turns they stand for, nearest first. Trajectories name them per step, so "

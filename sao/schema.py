@@ -35,6 +35,9 @@ _LITTLE_ENDIAN = {kind: (string, np.dtype(string).itemsize, np.dtype(string))
 _MISSING = object()
 # Log-probs above this (float32 slack over 0) are not log-probabilities.
 _MAX_LOGPROB = 1e-4
+# Earlier turns one step may recall as text (compression.recall_turns is bounded by it): a reader checks a step's
+# list against it before reading its entries, so a hostile message cannot make decoding walk a long one.
+MAX_RECALL_TURNS = 16
 
 
 class SchemaError(ValueError):
@@ -249,8 +252,9 @@ def _recalled_from_wire(columns: dict, count: int, recent_window: int) -> list[t
     _require(type(values) is list and len(values) == count, "steps.recalled", f"expected a list of {count} lists")
     recalled = []
     for i, turns in enumerate(values):
-        _require(type(turns) is list and all(type(t) is int for t in turns), f"steps[{i}].recalled",
-                 "expected a list of integers")
+        _require(type(turns) is list and len(turns) <= MAX_RECALL_TURNS, f"steps[{i}].recalled",
+                 f"expected a list of at most {MAX_RECALL_TURNS} turns")
+        _require(all(type(t) is int for t in turns), f"steps[{i}].recalled", "expected a list of integers")
         if turns:
             below = i - max(recent_window, 0)  # older turns only: the recent window is in the context already
             _require(turns[0] >= 0 and turns[-1] < below and all(a < b for a, b in itertools.pairwise(turns)),

@@ -123,6 +123,7 @@ def wire_with(trajectory: Trajectory, recalled: list) -> bytes:
     (lambda n: [[]] * (n - 1) + [[-1]], "negative"),
     (lambda n: [[]] * (n - 1) + [["1"]], "not an integer"),
     (lambda n: [[]] * n + [[]], "one list too many"),
+    (lambda n: [[]] * (n - 1) + [list(range(10**5))], "over the bound, refused before its entries are read"),
 ])
 def test_recalled_turns_a_step_could_not_have_seen_are_refused(recall_roller, bad, why):
     trajectory = recall_roller.rollout(make_tasks(recall_roller.config.env, 1, split="eval")[0], 1)
