@@ -417,7 +417,8 @@ class TrainerConfig(Section):
                                       "announcements it read, so a chain fits in them).")
     shadow_every: int = Field(
         2, ge=0, description="Shadow validation: score a published version at most every this many versions, greedily "
-                             "and first try only, on a fixed validation slice of the env's held-out split (disjoint "
+                             "(first try only in retry envs; whole episodes where the env scores success over them, "
+                             "e.g. recall: costlier), on a fixed validation slice of the env's held-out split (disjoint "
                              "from the tasks the run's final comparison is scored on), in a background process that "
                              "training never waits for; a version is skipped while the scorer is busy. The best scored "
                              "version is kept (RUN_DIR/policy/best). 0 = off.")

@@ -1,9 +1,10 @@
 """The shadow scorer (`sao shadow`): scores the policy versions the trainer asks for, in the background.
 
-It loads the policy once and scores each requested version greedily, first try only, on the
-validation slice (`validation_tasks`: held-out tasks disjoint from those the run's final
-comparison uses), writing RUN_DIR/shadow/vNNNNNN.json. The trainer asks for one version at a
-time through RUN_DIR/shadow/request.json and decides what the scores mean (sao/trainer/shadow.py).
+It loads the policy once and scores each requested version greedily (first try only where the env's
+first turn decides success; whole episodes elsewhere, e.g. recall) on the validation slice
+(`validation_tasks`: held-out tasks disjoint from those the run's final comparison uses), writing
+RUN_DIR/shadow/vNNNNNN.json. The trainer asks for one version at a time through
+RUN_DIR/shadow/request.json and decides what the scores mean (sao/trainer/shadow.py).
 The base model (v0) is scored first: the scorer loads later versions over it in place.
 It exits when its parent (the trainer) is gone or on SIGTERM.
 """
