@@ -14,8 +14,6 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sao.schema import MAX_RECALL_TURNS
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -189,6 +187,11 @@ class PolicyConfig(Section):
         4 << 20, ge=64 << 10, le=32 << 20,
         description="policy.transport = kafka: bytes of a file per chunk message, well under the broker's message "
                     "limit (64 MiB, MAX_MESSAGE_BYTES in sao/transport/kafka.py).")
+
+
+# Earlier turns one step may recall as text: bounds compression.recall_turns, and readers check a trajectory
+# against it before reading a step's list (sao/schema.py).
+MAX_RECALL_TURNS = 16
 
 
 class CompressionConfig(Section):

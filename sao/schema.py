@@ -21,6 +21,7 @@ import msgpack
 import numpy as np
 
 from sao import codec
+from sao.config import MAX_RECALL_TURNS  # checked before a step's list is read: decoding never walks a long one
 
 # 2: a trajectory's steps as columns (one token buffer, one log-prob buffer) instead of three arrays per step.
 SCHEMA_VERSION = 2
@@ -35,9 +36,6 @@ _LITTLE_ENDIAN = {kind: (string, np.dtype(string).itemsize, np.dtype(string))
 _MISSING = object()
 # Log-probs above this (float32 slack over 0) are not log-probabilities.
 _MAX_LOGPROB = 1e-4
-# Earlier turns one step may recall as text (compression.recall_turns is bounded by it): a reader checks a step's
-# list against it before reading its entries, so a hostile message cannot make decoding walk a long one.
-MAX_RECALL_TURNS = 16
 
 
 class SchemaError(ValueError):
