@@ -22,7 +22,7 @@ import torch
 
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
-from sao.envs.registry import episode_success, make_tasks
+from sao.envs.registry import episode_success, make_tasks, scores_first_turn_only
 from sao.policy.chain import read_version_into
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
@@ -118,19 +118,20 @@ class Scorer:
 
     def score(self, version: int, tasks: list[Task], greedy: bool = True) -> tuple[TaskScores, dict[str, str]]:
         """Per task: first-try success (the first turn's reward >= 1; the env's own `success` where it defines one),
-        second-try success (see `attempt_success`) and total reward; and the tasks whose env failed, with the
-        failure."""
+        second-try success (see `attempt_success`; None in an env whose turns are not attempts) and total reward;
+        and the tasks whose env failed, with the failure."""
         self.load(version)
         success = episode_success(self.config.env.name)
+        attempts = scores_first_turn_only(self.config.env.name)  # else a second turn is no second try
         scores: TaskScores = {}
         failures: dict[str, str] = {}
         for task, outcome in zip(tasks, self.roller.rollout_batch(tasks, version, greedy, slots=self.slots)):
             if isinstance(outcome, EnvFailure):
                 failures[task.task_id] = str(outcome)
             else:
-                _, second_try = attempt_success([step.reward for step in outcome.steps])  # retry envs
-                penalised = None if second_try is None else float(outcome.steps[1].reward < 0)
                 rewards = [step.reward for step in outcome.steps]
+                second_try = attempt_success(rewards)[1] if attempts else None
+                penalised = None if second_try is None else float(outcome.steps[1].reward < 0)
                 scores[task.task_id] = {"first_try": success(task.spec, rewards), "second_try": second_try,
                                         "second_penalised": penalised, "reward": outcome.total_reward}
         if failures:

@@ -100,6 +100,19 @@ def test_eval_runs_on_the_labyrinth(tiny_config, tmp_path):
     assert json.loads((tmp_path / "eval" / "v000000.json").read_text()) == result
 
 
+def test_a_recall_episode_is_scored_whole_by_its_own_success_and_has_no_second_try(tiny_config, tmp_path, monkeypatch):
+    """The recall env's first turn is its rules: held-out success is its questions answered, and its second turn
+    is not a retry, so no second-try figure is made from it."""
+    from sao.envs import recall
+
+    env = tiny_config.env.model_copy(update={"name": "recall", "max_turns": 4, "options": {"turns": 4, "facts": 2}})
+    config = tiny_config.model_copy(update={"env": env})
+    monkeypatch.setattr(recall, "answer_matches", lambda *args: True)  # every question answered right
+    result = evaluate(config, tmp_path, version=0, num_tasks=2)
+    assert result["first_try_success"] == 1.0 and result["second_try_n"] == 0
+    assert all(task["second_try"] is None for task in result["per_task"].values())
+
+
 def test_sao_eval_reports_the_paired_comparison_against_a_baseline(tmp_path):
     from typer.testing import CliRunner
 
