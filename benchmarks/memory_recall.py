@@ -1,6 +1,7 @@
 """Does sao's memory carry the episode? Recall questions answered from memory slots, against controls.
 
-    python benchmarks/memory_recall.py [--episodes 200] [--model smollm2-135m-instruct] [--threads 1] [--set compression.recall_turns=1] [--json PATH]
+    python benchmarks/memory_recall.py [--episodes 200] [--model smollm2-135m-instruct] [--threads 1]
+        [--set compression.recall_turns=1] [--json PATH]
 
 Held-out `recall` episodes (`env.name = "recall"`, eval split: facts no model can know) are played
 as `recall_calibration.py` plays them: the replies before a question teacher-forced to what the
