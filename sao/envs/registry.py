@@ -88,11 +88,16 @@ def turn_credit(config: SaoConfig) -> str:
     if config.trainer.turn_credit != "auto":
         return config.trainer.turn_credit
     try:
-        cls = env_class(config.env.name)
+        attempts = turns_are_attempts(config.env.name)
     except UnknownEnv as err:  # the trainer never runs the env: a plugin may be installed only where samplers run
         logger.warning("trainer.turn_credit auto: %s; crediting reward_to_go (set trainer.turn_credit to choose)", err)
         return "reward_to_go"
-    return "own_reward" if getattr(cls, "turns_are_attempts", False) else "reward_to_go"
+    return "own_reward" if attempts else "reward_to_go"
+
+
+def turns_are_attempts(name: str) -> bool:
+    """Whether env `name`'s turns retry one question (its class's `turns_are_attempts`): a second turn is a retry."""
+    return bool(getattr(env_class(name), "turns_are_attempts", False))
 
 
 def episode_success(name: str) -> Callable[[dict[str, Any], list[float]], float]:

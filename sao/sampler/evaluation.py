@@ -22,7 +22,7 @@ import torch
 
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
-from sao.envs.registry import episode_success, make_tasks, scores_first_turn_only
+from sao.envs.registry import episode_success, make_tasks, turns_are_attempts
 from sao.policy.chain import read_version_into
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
@@ -122,7 +122,7 @@ class Scorer:
         and the tasks whose env failed, with the failure."""
         self.load(version)
         success = episode_success(self.config.env.name)
-        attempts = scores_first_turn_only(self.config.env.name)  # else a second turn is no second try
+        attempts = turns_are_attempts(self.config.env.name)  # else a second turn is no second try
         scores: TaskScores = {}
         failures: dict[str, str] = {}
         for task, outcome in zip(tasks, self.roller.rollout_batch(tasks, version, greedy, slots=self.slots)):

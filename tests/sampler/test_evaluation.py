@@ -97,6 +97,7 @@ def test_eval_runs_on_the_labyrinth(tiny_config, tmp_path):
     config = tiny_config.model_copy(update={"env": env})
     result = evaluate(config, tmp_path, version=0, num_tasks=2)
     assert (result["tasks"], result["split"]) == (2, "eval") and 0 <= result["reward_mean"] <= 1
+    assert result["second_try_n"] == 0  # a labyrinth's second turn is its next move, not a retry
     assert json.loads((tmp_path / "eval" / "v000000.json").read_text()) == result
 
 
