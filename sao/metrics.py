@@ -171,6 +171,19 @@ def record_rollout(trajectory: Trajectory, produce_s: float) -> None:
         COMPRESSION_TURNS.labels(outcome="merged").inc(compression.get("merged_steps", 0))
 
 
+POLICY_FILE_KINDS = ("snapshot", "delta")
+
+
+def record_sampler_start() -> None:
+    """A sampler starts: each policy-file kind's series exists at 0 from now on. A series that first appears
+    already counting a version gives rate() no increase to see, so the weights panels of a run whose versions came
+    in one burst between two scrapes stayed empty."""
+    for kind in POLICY_FILE_KINDS:
+        SAMPLER_POLICY_BYTES.labels(kind=kind)
+        SAMPLER_POLICY_APPLY_SECONDS.labels(kind=kind)
+        SAMPLER_WEIGHTS_FETCH_SECONDS.labels(kind=kind)
+
+
 def record_policy_reload(version: int, seconds: float) -> None:
     """A sampler loaded policy `version` in `seconds`."""
     SAMPLER_POLICY_VERSION.set(version)

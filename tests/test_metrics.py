@@ -107,6 +107,23 @@ def test_each_trainer_phase_series_exists_at_zero_from_the_start():
     assert done.stdout.split() == ["None", "0.0", "0.0", "0.0", "0.0"]
 
 
+def test_each_policy_file_kind_series_exists_at_zero_once_a_sampler_starts():
+    """The same for a sampler's weights series: a short run's versions can all arrive between two scrapes."""
+    import subprocess
+    import sys
+
+    series = ("sao_sampler_policy_apply_seconds_count", "sao_sampler_weights_fetch_seconds_count",
+              "sao_sampler_policy_bytes_total")
+    probe = ("from prometheus_client import REGISTRY\nfrom sao import metrics\n"
+             f"series = {series!r}\n"
+             "before = REGISTRY.get_sample_value(series[0], {'kind': 'delta'})\n"
+             "metrics.record_sampler_start()\n"
+             "print(before, *(REGISTRY.get_sample_value(name, {'kind': kind})\n"
+             "                for name in series for kind in metrics.POLICY_FILE_KINDS))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["None", *["0.0"] * 6]
+
+
 def test_record_rollout_exports_sampler_and_compression_figures():
     trajectories = _value("sao_sampler_trajectories_total")
     tokens = _value("sao_sampler_tokens_total")

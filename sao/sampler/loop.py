@@ -27,6 +27,7 @@ from sao.metrics import (
     record_delivery,
     record_policy_reload,
     record_rollout,
+    record_sampler_start,
     record_versions_behind,
 )
 from sao.policy.weights import WeightsMismatch
@@ -69,6 +70,7 @@ class Sampler:
         self.policy = self.roller.policy
         # The version and published state it holds, and how a new version's files (whole or delta) bring it there.
         self.weight_sync = WeightSync(self.policy)
+        record_sampler_start()
         self.env_name = task_env(config.env.name)  # the `env` its tasks carry (None: a plugin unknown here)
         self.counters = {"produced": 0, "dead_lettered": 0, "reloads": 0, "refused": 0, "reward_sum": 0.0,
                          "skipped_done": 0, "tokens": 0, "rollout_s": 0.0, "reload_s": 0.0, "engine_push_s": 0.0,
