@@ -21,6 +21,9 @@ standard error, and wall seconds. From the sync arm (batches after the first, wh
 S = mean seconds from a batch's release to its last trajectory, T = mean trainer step including the
 publish, and the most overlap can give,
 bound = (S + T) / max(S, T). Headline: async / sync steady-state rate, pinned, beside that bound.
+After the first step the arms sample with different policies, so their batches hold different work (turns,
+tokens); per seed, each run's own S (sampler busy seconds per batch) and T also give a work-matched bound and
+each arm's efficiency: its ideal seconds per batch (S + T sync, max(S, T) async) over its steady ones.
 
 Learning: one run of an arm moves its held-out gain by up to 0.5 between seeds (the run's own
 randomness: which version samples which task), far more than the ± over questions of one run. So
@@ -92,10 +95,10 @@ def run_arm(arm: str, pinned: bool, seed: int, args: argparse.Namespace, runs_di
     if completed.returncode != 0:
         raise SystemExit(f"{run_dir.name}: sao run failed ({completed.returncode}): {completed.stderr[-3000:]}")
     return {"arm": arm, "pinned": pinned, "seed": seed, "run_dir": str(run_dir), "wall_s": time.perf_counter() - started,
-            **arm_figures(run_dir)}
+            **arm_figures(run_dir, synchronous=arm != "async")}
 
 
-def arm_figures(run_dir: Path) -> dict:
+def arm_figures(run_dir: Path, synchronous: bool) -> dict:
     """What the comparison reads from one run: its summary, and the step records for the steady-state rate."""
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = json.loads((run_dir / "status" / "trainer.json").read_text()).get("steps", [])
@@ -115,8 +118,28 @@ def arm_figures(run_dir: Path) -> dict:
         "kept_version": summary.get("kept_version"), "heldout_kept_gain": summary.get("heldout_kept_gain"),
         "heldout_kept_gain_stderr": summary.get("heldout_kept_gain_stderr"),
         "heldout_n": summary.get("heldout_n"), "duration_s": summary.get("duration_s"),
-        "trainer_steps": summary.get("trainer_steps"),
+        "trainer_steps": summary.get("trainer_steps"), **own_phases(run_dir, steps, synchronous),
     }
+
+
+def own_phases(run_dir: Path, steps: list[dict], synchronous: bool) -> dict:
+    """What one run's own work cost each side, per batch, and how much of its steady time that work filled.
+
+    The arms sample with different policies after their first step, so their batches differ in turns and
+    tokens: a rate ratio against the sync arm's bound mixes that work with overlap. Here S is a sampler's busy
+    seconds (a live episode, reloads included) per batch, the mean over samplers; T is the trainer's step and
+    publish, steady steps only. The ideal seconds per batch are S + T for a sync arm and max(S, T) for async;
+    efficiency = ideal / steady seconds per batch (1: no bubble).
+    """
+    samplers = [json.loads(path.read_text()) for path in sorted((run_dir / "status").glob("sampler-*.json"))]
+    busy = [s["run_s"] - s["idle_s"] for s in samplers if "run_s" in s and "idle_s" in s]
+    if len(steps) < 2 or not busy:
+        return {"sampler_busy_s": None, "trainer_busy_s": None, "batch_s": None, "efficiency": None}
+    sampling = statistics.fmean(busy) / len(steps)
+    training = statistics.fmean(step["step_s"] + step["publish_s"] for step in steps[1:])
+    batch = (steps[-1]["trained_at"] - steps[0]["trained_at"]) / (len(steps) - 1)
+    ideal = sampling + training if synchronous else max(sampling, training)
+    return {"sampler_busy_s": sampling, "trainer_busy_s": training, "batch_s": batch, "efficiency": ideal / batch}
 
 
 def sync_phases(run_dirs: list[Path]) -> dict:
@@ -207,11 +230,23 @@ def per_seed(runs: dict[str, list[dict]]) -> list[dict]:
         ratio = (a["steady_trajectories_per_s"] / s["steady_trajectories_per_s"]
                  if a["steady_trajectories_per_s"] and s["steady_trajectories_per_s"] else None)
         row = {"seed": a["seed"], "ratio": ratio, "bound": phases["bound"],
-               "ratio_of_bound": ratio / phases["bound"] if ratio else None, **paired_versions(a, s)}
+               "ratio_of_bound": ratio / phases["bound"] if ratio else None, **work_matched(a, s),
+               **paired_versions(a, s)}
         if runs.get("resampled"):
             row["resampled"] = paired_versions(runs["resampled"][index], s)
         rows.append(row)
     return rows
+
+
+def work_matched(asynchronous: dict, sync: dict) -> dict:
+    """The bound from each arm's own work: sync's S + T over async's max(S, T). The rate ratio over it is
+    async's efficiency over sync's (see `own_phases`)."""
+    keys = ("sampler_busy_s", "trainer_busy_s")
+    if any(run.get(key) is None for run in (asynchronous, sync) for key in keys):
+        return {"work_bound": None, "ratio_of_work_bound": None}
+    bound = (sync["sampler_busy_s"] + sync["trainer_busy_s"]) / max(asynchronous[key] for key in keys)
+    return {"work_bound": bound, "ratio_of_work_bound": asynchronous["efficiency"] / sync["efficiency"],
+            "async_efficiency": asynchronous["efficiency"], "sync_efficiency": sync["efficiency"]}
 
 
 def outside_2se(rows: list[dict], key: str | None = None) -> dict:
@@ -309,7 +344,11 @@ def main() -> None:
                 f"(n {row[which]['n']}, {'within' if row[which]['within_2se'] else 'NOT within'} 2 s.e.)"
                 for which in ("final", "kept") if row[which]["n"])
             console.print(f"{setting}: seed {row['seed']}: async / sync {_fmt(row['ratio'], '.2f')}x, bound "
-                          f"{row['bound']:.2f}x, ratio / bound {_fmt(row['ratio_of_bound'], '.2f')}; {versions}")
+                          f"{row['bound']:.2f}x, ratio / bound {_fmt(row['ratio_of_bound'], '.2f')}; each arm's own "
+                          f"work: bound {_fmt(row['work_bound'], '.2f')}x, ratio / bound "
+                          f"{_fmt(row['ratio_of_work_bound'], '.2f')} (efficiency async "
+                          f"{_fmt(row.get('async_efficiency'), '.2f')}, sync {_fmt(row.get('sync_efficiency'), '.2f')})"
+                          f"; {versions}")
             if "resampled" in row:
                 console.print(f"{setting}: seed {row['seed']}: sync against itself, " + "; ".join(
                     f"{which} resampled - sync {_fmt(row['resampled'][which]['difference'], '+.3f')} ± "

@@ -73,10 +73,19 @@ def test_async_vs_sync_reports_rates_and_the_bound(tmp_path):
         assert figures["seed"] == 0 and figures["run_dir"].endswith(f"pinned-{arm}/seed-0"), arm
         assert figures["trajectories_trained"] == 8, arm  # the same number of trajectories in every arm
         assert figures["steady_trajectories_per_s"] > 0 and figures["wall_s"] > 0, arm
+        # Each run's own phases: busy seconds of each side per batch, and the share of a steady batch they fill.
+        assert figures["sampler_busy_s"] > 0 and figures["trainer_busy_s"] > 0 and figures["batch_s"] > 0, arm
+        ideal = ((max if arm == "async" else sum)((figures["sampler_busy_s"], figures["trainer_busy_s"])))
+        assert figures["efficiency"] == pytest.approx(ideal / figures["batch_s"]), arm
     assert pinned["arms"]["sync"][0]["staleness_mean"] == 0 and pinned["arms"]["grpo"][0]["trainer_steps"] == 2
     assert pinned["batches"] == 1 and pinned["S_s"] > 0  # the second batch: the first waits for start-up and pinned["T_s"] > 0
     assert head["value"] == pinned["arms"]["async"][0]["steady_trajectories_per_s"]
     assert head["baseline"] == pinned["arms"]["sync"][0]["steady_trajectories_per_s"]
+    (row,) = pinned["per_seed"]
+    a, s = pinned["arms"]["async"][0], pinned["arms"]["sync"][0]
+    assert row["work_bound"] == pytest.approx((s["sampler_busy_s"] + s["trainer_busy_s"])
+                                              / max(a["sampler_busy_s"], a["trainer_busy_s"]))
+    assert row["ratio_of_work_bound"] == pytest.approx(row["ratio"] / row["work_bound"])
 
 
 def _heldout(run_dir: Path, per_task: dict) -> Path:
