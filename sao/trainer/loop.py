@@ -56,7 +56,7 @@ from sao.trainer.engine import (
 )
 from sao.trainer.leader_io import LeaderIO
 from sao.trainer.publisher import PolicyPublisher
-from sao.trainer.shadow import run_cpus
+from sao.trainer.shadow import background_cpus
 from sao.trainer.shadow_validation import ShadowValidation
 from sao.trainer.training_step import StepOutcome, train_step
 from sao.trainer.validation import TrajectoryValidator
@@ -405,7 +405,7 @@ class Trainer:
         if is_leader:
             self.run_dir.root.mkdir(parents=True, exist_ok=True)
             self.run_dir.trainer_config.write_text(to_toml(self.config))
-        cpus = run_cpus(self.config.trainer.cpu_affinity, self.config.sampler.cpu_affinity)
+        cpus = background_cpus(self.config.trainer.cpu_affinity, self.config.sampler.cpu_affinity)
         return ShadowValidation.start(self.config.trainer, self.run_dir, self.run_dir.trainer_config, is_leader,
                                       resume, cpus)
 

@@ -139,19 +139,22 @@ def earlier_board(run_dir: RunDir, margin: float) -> ShadowBoard:
     return board
 
 
-def run_cpus(trainer_cpus: list[int] | None, sampler_cpus: list[int] | None) -> set[int]:
-    """The CPUs a run's processes may use: what the trainer's parent (the launcher) may, plus any a role is
-    pinned to (`trainer.cpu_affinity`, `sampler.cpu_affinity`)."""
+def background_cpus(trainer_cpus: list[int] | None, sampler_cpus: list[int] | None) -> set[int]:
+    """The CPUs for the run's background work (shadow scorer, snapshot writes): those the run's processes may
+    use (what the trainer's parent, the launcher, may, plus any a role is pinned to), less a pinned trainer's
+    (`trainer.cpu_affinity`) when others are left: there it would lengthen a step, while the samplers' CPUs
+    have the slack of a run that waits on its trainer."""
     try:
         started_by = set(os.sched_getaffinity(os.getppid()))
     except OSError:  # the parent is gone: this process's own CPUs are what is known
         started_by = set(os.sched_getaffinity(0))
-    return started_by | set(trainer_cpus or ()) | set(sampler_cpus or ())
+    run = started_by | set(trainer_cpus or ()) | set(sampler_cpus or ())
+    return (run - set(trainer_cpus or ())) or run
 
 
 def run_in_background(cpus: set[int] | None) -> None:
-    """Make the calling thread background work: niced (10), and allowed on `cpus` (every CPU of the run), not
-    only a pinned trainer's. Linux applies both to the calling thread alone: a forked child's only thread, or
+    """Make the calling thread background work: niced (10), and allowed on `cpus` (`background_cpus`), not
+    a pinned trainer's alone. Linux applies both to the calling thread alone: a forked child's only thread, or
     a worker thread of the trainer."""
     os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
     if cpus:
@@ -172,8 +175,8 @@ class ShadowScorerProcess:
         log_path = run_dir.log("shadow")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Niced (10): it runs mostly on the CPU the samplers and the trainer leave, but a busy process on the
-        # same CPU still cedes it a small share (nice 10 weighs about a tenth of nice 0). It may use every CPU
-        # of the run (`cpus`), not only a pinned trainer's, so it takes the samplers' idle time, not a step's.
+        # same CPU still cedes it a small share (nice 10 weighs about a tenth of nice 0). On `cpus`
+        # (`background_cpus`): off a pinned trainer's, so it takes the samplers' idle time, not a step's.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sao.cli", "shadow", "--config", str(config_path), "--run-dir", str(run_dir.root)],
             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=functools.partial(run_in_background, cpus))

@@ -10,12 +10,12 @@ The tensors go to a safetensors file per version (three times the model's size i
 memory, two or three of them would double the trainer's footprint); the rest of the state dict
 (a few scalars and the loss scaler object) stays in memory. The files are this process's own.
 
-A file is written by a background thread, niced and allowed on every CPU of the run (`cpus`), so
-the write overlaps the next step's forward and backward instead of delaying it, and on a pinned
-trainer it runs where the samplers leave idle time. It reads the live optimizer tensors, which
-only an optimizer update changes: `settle` must be called before one (`train_step`'s
-`before_update`), and is called before any restore, relabel or drop. A write that fails costs
-that version its snapshot, never the training.
+A file is written by a background thread, niced and on the run's background CPUs (`cpus`, from
+`shadow.background_cpus`), so the write overlaps the next step's forward and backward instead of
+delaying it, and on a pinned trainer it runs off the trainer's CPUs, where the samplers leave idle
+time. It reads the live optimizer tensors, which only an optimizer update changes: `settle` must
+be called before one (`train_step`'s `before_update`), and is called before any restore, relabel
+or drop. A write that fails costs that version its snapshot, never the training.
 """
 
 from __future__ import annotations

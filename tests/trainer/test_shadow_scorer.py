@@ -8,7 +8,7 @@ import pytest
 
 from sao.config import load_config, to_toml
 from sao.run_dir import RunDir
-from sao.trainer.shadow import ShadowScorerProcess, run_cpus
+from sao.trainer.shadow import ShadowScorerProcess, background_cpus
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def test_a_dead_scorer_is_reported_and_never_waited_for(scorer):
     assert not scorer.idle  # nothing more is handed to it
 
 
-def test_a_pinned_trainers_scorer_may_run_on_the_samplers_cpus(tmp_path):
-    """It takes the CPU the samplers leave idle, not a share of the pinned trainer's (which would lengthen a step)."""
+def test_a_pinned_trainers_scorer_runs_on_the_samplers_cpus(tmp_path):
+    """It takes the CPU the samplers leave idle, never a share of the pinned trainer's (which would lengthen a step)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs two CPUs: one for the samplers, one for the trainer")
@@ -57,11 +57,11 @@ def test_a_pinned_trainers_scorer_may_run_on_the_samplers_cpus(tmp_path):
     run_dir.root.mkdir()
     os.sched_setaffinity(0, trainer)  # as `sao trainer` pins itself: the scorer would inherit this
     try:
-        process = ShadowScorerProcess(run_dir, tmp_path / "config.toml", run_cpus(trainer, samplers))
+        process = ShadowScorerProcess(run_dir, tmp_path / "config.toml", background_cpus(trainer, samplers))
     finally:
         os.sched_setaffinity(0, cpus)
     try:
-        assert os.sched_getaffinity(process.process.pid) == set(cpus)
+        assert os.sched_getaffinity(process.process.pid) == set(cpus) - set(trainer)
         assert os.getpriority(os.PRIO_PROCESS, process.process.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 10
     finally:
         process.stop()
