@@ -242,11 +242,11 @@ def work_matched(asynchronous: dict, sync: dict) -> dict:
     """The bound from each arm's own work: sync's S + T over async's max(S, T). The rate ratio over it is
     async's efficiency over sync's (see `own_phases`)."""
     keys = ("sampler_busy_s", "trainer_busy_s")
+    efficiencies = {"async_efficiency": asynchronous.get("efficiency"), "sync_efficiency": sync.get("efficiency")}
     if any(run.get(key) is None for run in (asynchronous, sync) for key in keys):
-        return {"work_bound": None, "ratio_of_work_bound": None}
+        return {"work_bound": None, "ratio_of_work_bound": None, **efficiencies}
     bound = (sync["sampler_busy_s"] + sync["trainer_busy_s"]) / max(asynchronous[key] for key in keys)
-    return {"work_bound": bound, "ratio_of_work_bound": asynchronous["efficiency"] / sync["efficiency"],
-            "async_efficiency": asynchronous["efficiency"], "sync_efficiency": sync["efficiency"]}
+    return {"work_bound": bound, "ratio_of_work_bound": asynchronous["efficiency"] / sync["efficiency"], **efficiencies}
 
 
 def outside_2se(rows: list[dict], key: str | None = None) -> dict:
@@ -347,7 +347,7 @@ def main() -> None:
                           f"{row['bound']:.2f}x, ratio / bound {_fmt(row['ratio_of_bound'], '.2f')}; each arm's own "
                           f"work: bound {_fmt(row['work_bound'], '.2f')}x, ratio / bound "
                           f"{_fmt(row['ratio_of_work_bound'], '.2f')} (efficiency async "
-                          f"{_fmt(row.get('async_efficiency'), '.2f')}, sync {_fmt(row.get('sync_efficiency'), '.2f')})"
+                          f"{_fmt(row['async_efficiency'], '.2f')}, sync {_fmt(row['sync_efficiency'], '.2f')})"
                           f"; {versions}")
             if "resampled" in row:
                 console.print(f"{setting}: seed {row['seed']}: sync against itself, " + "; ".join(
