@@ -2,7 +2,7 @@
 
     python benchmarks/async_vs_sync.py [--tasks 48] [--seeds 0 1 2] [--arms grpo sync async resampled]
         [--heldout-cap 128] [--group-size 8] [--pinned | --unpinned | --both] [--runs-dir runs/bench/async_vs_sync]
-        [--json PATH]
+        [--json PATH] [--keep-weights]
         [-- extra sao run args]
 
 Four arms, each one `sao run` (its own run directory) on the same number of trajectories:
@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from sao import stats
+from sao.run_dir import RunDir
 
 ARMS = ("grpo", "sync", "async", "resampled")
 RESAMPLED_SEED = 1  # sampler.seed of the resampled arm (the others keep the default, 0)
@@ -94,8 +95,11 @@ def run_arm(arm: str, pinned: bool, seed: int, args: argparse.Namespace, runs_di
                                preexec_fn=start_on)
     if completed.returncode != 0:
         raise SystemExit(f"{run_dir.name}: sao run failed ({completed.returncode}): {completed.stderr[-3000:]}")
-    return {"arm": arm, "pinned": pinned, "seed": seed, "run_dir": str(run_dir), "wall_s": time.perf_counter() - started,
-            **arm_figures(run_dir, synchronous=arm != "async")}
+    figures = {"arm": arm, "pinned": pinned, "seed": seed, "run_dir": str(run_dir),
+               "wall_s": time.perf_counter() - started, **arm_figures(run_dir, synchronous=arm != "async")}
+    if not args.keep_weights:  # gigabytes a run; the comparison reads summaries, status, eval and logs only
+        RunDir(run_dir).drop_weights()
+    return figures
 
 
 def arm_figures(run_dir: Path, synchronous: bool) -> dict:
@@ -295,6 +299,9 @@ def main() -> None:
     compute.add_argument("--both", dest="compute", action="store_const", const=("unpinned", "pinned"))
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/bench/async_vs_sync"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep-weights", action="store_true",
+                        help="keep each run's checkpoints, policy files and optimizer snapshots (deleted once its "
+                             "figures are read)")
     parser.add_argument("extra", nargs="*", help="arguments passed on to every `sao run` (after --)")
     args = parser.parse_args()
     settings = args.compute or ("unpinned", "pinned")

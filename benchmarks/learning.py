@@ -1,7 +1,7 @@
 """Does the default run learn? `sao run` once per seed; held-out first-try success before vs after.
 
     python benchmarks/learning.py [--seeds 0 1 2] [--contended 2] [--runs-dir runs/learning] [--json PATH]
-                                  [-- extra sao run args]
+                                  [--keep-weights] [-- extra sao run args]
 
 Each seed is a whole default run (`env.seed` changes the training stream; everything else is the
 default config unless extra arguments follow `--`). Each run ends by scoring the base model and
@@ -35,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from sao.run_dir import RunDir
 from sao.stats import mean, stderr
 
 KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", "heldout_n", "reward_first_version",
@@ -46,7 +47,7 @@ KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", 
         "shadow_snapshot_s", "trainer_idle_ratio")
 
 
-def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
+def run_seed(seed: int, runs_dir: Path, extra: list[str], keep_weights: bool = False) -> dict:
     run_dir = runs_dir / f"seed-{seed}"
     started = time.perf_counter()
     command = [sys.executable, "-m", "sao.cli", "run", "--run-dir", str(run_dir), "--set", f"env.seed={seed}", *extra]
@@ -57,6 +58,8 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
     if summary.get("heldout_gain") is None:
         raise SystemExit(f"seed {seed}: {run_dir}/summary.json has no held-out figures (is run.heldout_eval off?)")
     steps = json.loads((run_dir / "status" / "trainer.json").read_text()).get("steps") or [{}]
+    if not keep_weights:  # a run's checkpoints and policy files take gigabytes; the figures are read above
+        RunDir(run_dir).drop_weights()
     return {"seed": seed, "wall_s": time.perf_counter() - started, "run_dir": str(run_dir),
             "rollbacks": len(summary.get("rollbacks") or []), "kl_end": steps[-1].get("kl_k3"),
             "kl_to_base_end": steps[-1].get("kl_to_base"), "steps": [step_signals(step) for step in steps if step],
@@ -75,10 +78,10 @@ def step_signals(step: dict) -> dict:
             "staleness": mean(step.get("staleness") or [])}
 
 
-def _attempt(seed: int, runs_dir: Path, extra: list[str]) -> dict:
+def _attempt(seed: int, runs_dir: Path, extra: list[str], keep_weights: bool) -> dict:
     """`run_seed`, or {"seed", "failed"} when the run failed (the other seeds go on)."""
     try:
-        return run_seed(seed, runs_dir, extra)
+        return run_seed(seed, runs_dir, extra, keep_weights)
     except SystemExit as failure:
         return {"seed": seed, "failed": str(failure)[-500:]}
 
@@ -119,6 +122,9 @@ def main() -> None:
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/learning"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--contended", type=int, default=1, help="Seeds run at a time (2: two runs share the cores).")
+    parser.add_argument("--keep-weights", action="store_true",
+                        help="Keep each run's checkpoints, policy files and optimizer snapshots (deleted once its "
+                             "figures are read: gigabytes a run, and nothing the figures need).")
     parser.add_argument("extra", nargs="*", help="arguments passed on to `sao run` (after --)")
     args = parser.parse_args()
 
@@ -126,7 +132,7 @@ def main() -> None:
     from rich.table import Table
 
     with ThreadPoolExecutor(max_workers=args.contended) as pool:
-        outcomes = list(pool.map(lambda seed: _attempt(seed, args.runs_dir, args.extra), args.seeds))
+        outcomes = list(pool.map(lambda seed: _attempt(seed, args.runs_dir, args.extra, args.keep_weights), args.seeds))
     failed = [outcome for outcome in outcomes if "failed" in outcome]
     results = [outcome for outcome in outcomes if "failed" not in outcome]
     for outcome in failed:  # a run that died is a result too: said, never dropped silently

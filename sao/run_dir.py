@@ -22,6 +22,7 @@ RUN_DIR/
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,16 @@ class RunDir:
 
     def shadow_result(self, version: int) -> Path:
         return self.shadow_dir / f"v{version:06d}.json"
+
+    def drop_weights(self) -> int:
+        """Delete what only resuming or re-scoring needs (checkpoints, policy files, optimizer snapshots),
+        keeping the figures (summary, status, logs, eval, shadow scores); returns the bytes freed.
+        For benchmarks that run many whole runs and read only their figures."""
+        heavy = [self.checkpoints, self.policy_dir, self.shadow_snapshots]
+        freed = sum(f.stat().st_size for d in heavy if d.is_dir() for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+        for folder in heavy:
+            shutil.rmtree(folder, ignore_errors=True)
+        return freed
 
     def checkpoint_state(self, tag: str) -> Path:
         """sao's state of checkpoint `tag` (step, offsets, Kafka cluster id), JSON; see sao/trainer/checkpoint.py."""

@@ -72,6 +72,7 @@ def test_async_vs_sync_reports_rates_and_the_bound(tmp_path):
     for arm, (figures,) in pinned["arms"].items():  # one seed: one run per arm
         assert figures["seed"] == 0 and figures["run_dir"].endswith(f"pinned-{arm}/seed-0"), arm
         assert figures["trajectories_trained"] == 8, arm  # the same number of trajectories in every arm
+        assert not (Path(figures["run_dir"]) / "checkpoints").exists(), arm  # dropped once the figures are read
         assert figures["steady_trajectories_per_s"] > 0 and figures["wall_s"] > 0, arm
         # Each run's own phases: busy seconds of each side per batch, and the share of a steady batch they fill.
         assert figures["sampler_busy_s"] > 0 and figures["trainer_busy_s"] > 0 and figures["batch_s"] > 0, arm

@@ -33,6 +33,8 @@ def test_one_tiny_seed_gives_the_headline_of_its_summary(tmp_path):
         assert headline["ratio"] is None
     # The figures are the run's own: its summary.json, with the extra arguments applied.
     summary = json.loads((runs / "seed-0" / "summary.json").read_text())
+    # Weights and checkpoints are dropped once the figures are read (--keep-weights keeps them).
+    assert not (runs / "seed-0" / "checkpoints").exists() and not (runs / "seed-0" / "policy").exists()
     (run,) = result["runs"]
     assert run["seed"] == 0 and run["heldout_n"] == summary["heldout_n"] == 3
     assert run["trajectories_trained"] == summary["trajectories_trained"] == 4
