@@ -526,8 +526,9 @@ class RunConfig(Section):
                              "baseline of benchmarks/async_vs_sync.py.")
     max_trajectories_in_flight: int | None = Field(
         None, ge=1, description="Backpressure: task copies (trajectories to come; grpo sends each task group_size "
-                                "times) fed but not yet trained on, at most; unset = twice trainer.batch_size, "
-                                "grpo one batch. run.mode = sync ignores it: one batch at a time.")
+                                "times) fed but not yet trained on, at most; unset = three trainer batches (the "
+                                "samplers may run two batches ahead, so a slow batch on one side does not idle "
+                                "the other), grpo one batch. run.mode = sync ignores it: one batch at a time.")
     timeout_s: float | None = Field(None, gt=0, description="Abort the run after this many seconds of training (the "
                                                             "held-out evaluation after it is not counted); unset = "
                                                             "no limit but run.stall_timeout_s.")

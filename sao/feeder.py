@@ -30,10 +30,12 @@ def copies_per_task(config: SaoConfig) -> int:
 def in_flight_cap(config: SaoConfig) -> int:
     """Trajectories fed but not yet trained on, at most (never less than one task's copies).
 
-    SAO: 2 batches, so samplers stay busy while the trainer steps, and staleness stays near 1.
+    SAO: 3 batches. With 2 the samplers run at most one batch ahead, and a batch's sampling and
+    training times each vary with what the policy writes, so a slow batch on one side idles the
+    other; a third absorbs that, at staleness up to 2 (importance weights correct for it).
     GRPO: one batch, i.e. synchronous - the next batch is sampled only with the new policy.
     """
-    default = config.trainer.batch_size * (1 if config.trainer.algorithm == "grpo" else 2)
+    default = config.trainer.batch_size * (1 if config.trainer.algorithm == "grpo" else 3)
     return max(config.run.max_trajectories_in_flight or default, copies_per_task(config))
 
 
