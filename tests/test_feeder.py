@@ -1,7 +1,7 @@
 """The feeder through a real broker: async tops up to its cap; sync releases one batch at a time,
 stamped with the version it must be sampled with, and nothing before the trainer has handled it."""
 
-from sao.feeder import Feeder
+from sao.feeder import Feeder, in_flight_cap
 from sao.schema import Task, decode
 from sao.transport.kafka import read_all
 from sao.transport.topics import ensure_topics
@@ -37,12 +37,27 @@ def test_sync_releases_one_stamped_batch_only_once_the_last_is_handled(kafka_boo
     assert [(r["trajectories"], r["policy_version"]) for r in feeder.releases] == [(4, 0), (4, 1), (2, 2)]
 
 
-def test_async_keeps_two_batches_in_flight_and_stamps_no_version(kafka_bootstrap, unique_topic_prefix, tiny_config):
+def test_async_keeps_three_batches_in_flight_and_stamps_no_version(kafka_bootstrap, unique_topic_prefix, tiny_config):
     config = _config(tiny_config, unique_topic_prefix, "async")
+    config.run.num_tasks = 20
     ensure_topics(kafka_bootstrap, {config.topics.tasks: 2})
     feeder = Feeder(config, kafka_bootstrap)
-    assert feeder.top_up(handled=0, policy_version=5) == 8
+    assert feeder.top_up(handled=0, policy_version=5) == 12  # 3 x trainer.batch_size
     assert feeder.top_up(handled=1, policy_version=5) == 1
     assert feeder.top_up(handled=1, policy_version=5) == 0
-    assert [task.policy_version for task in _tasks(kafka_bootstrap, config.topics.tasks)] == [0] * 9
+    assert [task.policy_version for task in _tasks(kafka_bootstrap, config.topics.tasks)] == [0] * 13
     assert feeder.releases == []
+
+
+def test_the_in_flight_cap_is_three_batches_for_sao_one_for_grpo_and_never_below_a_task(tiny_config):
+    config = tiny_config.model_copy(deep=True)
+    config.trainer.batch_size = 8
+    assert in_flight_cap(config) == 24  # samplers may run two batches ahead of the step in progress
+    config.run.max_trajectories_in_flight = 5
+    assert in_flight_cap(config) == 5  # the knob wins
+    config.run.max_trajectories_in_flight = None
+    config.trainer.group_size = 4
+    config.trainer.algorithm = "grpo"
+    assert in_flight_cap(config) == 8  # one batch: synchronous
+    config.run.max_trajectories_in_flight = 2
+    assert in_flight_cap(config) == 4  # never less than one task's group
