@@ -125,8 +125,8 @@ QUOTED_DEFAULTS = [
     ("runs 2 sampler processes", "sampler.num_samplers", 2),
     ("on 80 held-out questions", "run.heldout_cap", 80),
     ("in the background on 48 other held-out questions", "trainer.shadow_tasks", 48),
-    ("With the defaults (learning rate 1.5e-5, sampling temperature 0.7", "trainer.learning_rate", 1.5e-5),
-    ("With the defaults (learning rate 1.5e-5, sampling temperature 0.7", "policy.temperature", 0.7),
+    ("learning rate 1.5e-5, sampling temperature 0.7, shadow validation on", "trainer.learning_rate", 1.5e-5),
+    ("learning rate 1.5e-5, sampling temperature 0.7, shadow validation on", "policy.temperature", 0.7),
     ("a retry that offers no new answer earns \u22120.5 (`env.repeat_penalty`)", "env.repeat_penalty", 0.5),
     ('(`trainer.torch_threads = "auto"`)', "trainer.torch_threads", "auto"),
     ("the launcher on 9700", "metrics.launcher_port", 9700),
@@ -152,3 +152,14 @@ def test_the_broker_port_the_readme_quotes_is_the_cli_default():
     assert "`sao broker start/stop/status` | the embedded broker as a background process (`--port`, default 9092" \
         in README.read_text()
     assert port.default == 9092
+
+
+def test_the_in_flight_default_the_docs_quote_is_the_feeder_s():
+    from sao.feeder import in_flight_cap
+
+    config = SaoConfig()
+    batches = in_flight_cap(config) // config.trainer.batch_size
+    design = " ".join((ROOT / "docs" / "design.md").read_text().split())
+    scale_out = " ".join((ROOT / "docs" / "scale-out.md").read_text().split())
+    assert f"`run.max_trajectories_in_flight` trajectories (default {batches} batches)" in design
+    assert f"| tasks in flight | about {batches} \u00d7 `trainer.batch_size`" in scale_out
