@@ -109,10 +109,13 @@ class RunDir:
         """Delete what only resuming or re-scoring needs (checkpoints, policy files, optimizer snapshots),
         keeping the figures (summary, status, logs, eval, shadow scores); returns the bytes freed.
         For benchmarks that run many whole runs and read only their figures."""
-        heavy = [self.checkpoints, self.policy_dir, self.shadow_snapshots]
-        freed = sum(f.stat().st_size for d in heavy if d.is_dir() for f in d.rglob("*") if f.is_file() and not f.is_symlink())
-        for folder in heavy:
-            shutil.rmtree(folder, ignore_errors=True)
+        freed = 0
+        for folder in (self.checkpoints, self.policy_dir, self.shadow_snapshots):
+            if folder.is_symlink():  # a folder kept elsewhere is not this run's to delete: drop the link only
+                folder.unlink()
+            elif folder.is_dir():
+                freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+                shutil.rmtree(folder, ignore_errors=True)  # a file left behind must not cost the figures
         return freed
 
     def checkpoint_state(self, tag: str) -> Path:

@@ -22,3 +22,16 @@ def test_dropping_weights_keeps_the_figures_and_counts_the_bytes(tmp_path):
     assert not run.checkpoints.exists() and not run.policy_dir.exists() and not run.shadow_snapshots.exists()
     assert all(json.loads(path.read_text()) == {"kept": True} for path in figures)
     assert run.drop_weights() == 0  # nothing left to drop: no error
+
+
+def test_a_linked_weights_folder_loses_its_link_not_its_files(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "policy-v000001.safetensors").write_bytes(b"w" * 100)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.policy_dir.symlink_to(elsewhere)
+
+    assert run.drop_weights() == 0  # nothing of this run's own was freed
+    assert not run.policy_dir.exists() and not run.policy_dir.is_symlink()
+    assert (elsewhere / "policy-v000001.safetensors").read_bytes() == b"w" * 100
