@@ -2,7 +2,7 @@
 
     python benchmarks/async_vs_sync.py [--tasks 48] [--seeds 0 1 2] [--arms grpo sync async resampled]
         [--heldout-cap 128] [--group-size 8] [--pinned | --unpinned | --both] [--runs-dir runs/bench/async_vs_sync]
-        [--json PATH] [--keep-weights]
+        [--repeats 1] [--merge RUNS_DIR ...] [--json PATH] [--keep-weights]
         [-- extra sao run args]
 
 Four arms, each one `sao run` (its own run directory) on the same number of trajectories:
@@ -25,23 +25,30 @@ After the first step the arms sample with different policies, so their batches h
 tokens); per seed, each run's own S (sampler busy seconds per batch) and T also give a work-matched bound and
 each arm's efficiency: its ideal seconds per batch (S + T sync, max(S, T) async) over its steady ones.
 
-Learning: one run of an arm moves its held-out gain by up to 0.5 between seeds (the run's own
-randomness: which version samples which task), far more than the ± over questions of one run. So
-each arm runs once per seed (`--seeds`), and "async learns as much as sync" is judged on the paired
-per-seed difference async - sync, its mean ± the standard error across seeds; with one seed only
-the error over questions is left, and the JSON says so (`difference_error`). Rates are averaged
-over seeds the same way (the headline: mean async rate / mean sync rate).
+Learning: one run of an arm moves its held-out gain by up to 0.5 between seeds, and by up to 0.5
+between runs of the same seed too (the run's own randomness: which version samples which task, which
+tokens are drawn), far more than the ± over questions of one run. "Async learns as much as sync" is
+judged on the per-seed difference async - sync (each arm's mean over its runs of the seed), its mean
+± the standard error across seeds; with one seed only the error over questions is left, and the
+JSON says so (`difference_error`). Rates are averaged over runs the same way (the headline: mean
+async rate / mean sync rate).
 
-Per seed, async - sync is also paired by task (final and kept versions) and called within 2 s.e.
-or not. A sync run repeats itself given its seed, while async's timing draws anew each run, so a
-per-seed gap holds the run's own randomness too; the `resampled` arm measures how often sync
-against sync with other draws falls outside 2 s.e. the same way: the floor a per-seed verdict on
-async is read against.
+Per seed the verdict needs the run-to-run spread, which one run cannot show: `--repeats K` runs
+every arm K times a seed (repeat r draws with `sampler.seed` 2r), and `--merge` pools the runs of
+earlier invocations whose config matches. Each arm's run-to-run variance is pooled over seeds (the
+deviations from each seed's own mean), and a seed's async - sync is called within 2 s.e. of
+sqrt(var_async / n_async + var_sync / n_sync), or behind (`seed_learning`).
+
+Per run pair, async - sync is also paired by task (final and kept versions) and called within
+2 s.e. or not: that ± is over questions only, so it is outside 2 s.e. even for sync against
+itself in most seeds. The `resampled` arm (sync with `sampler.seed` 2r + 1) measures how often
+the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -55,16 +62,24 @@ from sao import stats
 from sao.run_dir import RunDir
 
 ARMS = ("grpo", "sync", "async", "resampled")
-RESAMPLED_SEED = 1  # sampler.seed of the resampled arm (the others keep the default, 0)
+RESAMPLED_SEED = 1  # sampler.seed of the resampled arm's first repeat (the others' first repeat keeps the default, 0)
+# What may differ between two runs pooled as repeats of one arm and seed: where the run lives, which tokens it draws.
+REPEAT_FIELDS = {"run.run_dir", "sampler.seed"}
+CODE_RECORD = "code.json"  # in each invocation's runs folder: which sao sources made its runs
 
 
-def arm_arguments(arm: str, tasks: int, group_size: int) -> list[str]:
-    """`sao run` arguments that make an arm; every arm produces `tasks` trajectories."""
+def sampler_seed(arm: str, repeat: int) -> int:
+    """Repeat r of an arm draws with sampler.seed 2r; the resampled arm with 2r + 1, so no two runs share draws."""
+    return 2 * repeat + (RESAMPLED_SEED if arm == "resampled" else 0)
+
+
+def arm_arguments(arm: str, tasks: int, group_size: int, repeat: int = 0) -> list[str]:
+    """`sao run` arguments that make an arm's `repeat`; every arm produces `tasks` trajectories."""
+    draws = ["--set", f"sampler.seed={sampler_seed(arm, repeat)}"] if sampler_seed(arm, repeat) else []
     if arm == "grpo":
         return ["--num-tasks", str(max(tasks // group_size, 1)), "--set", 'trainer.algorithm="grpo"',
-                "--set", f"trainer.group_size={group_size}"]
+                "--set", f"trainer.group_size={group_size}", *draws]
     mode = ["--set", 'run.mode="sync"'] if arm in ("sync", "resampled") else []
-    draws = ["--set", f"sampler.seed={RESAMPLED_SEED}"] if arm == "resampled" else []
     return ["--num-tasks", str(tasks), *mode, *draws]
 
 
@@ -82,11 +97,11 @@ def pinning(pinned: bool) -> list[str]:
     return ["--set", f"sampler.cpu_affinity={samplers}", "--set", f"trainer.cpu_affinity={trainer}"]
 
 
-def run_arm(arm: str, pinned: bool, seed: int, args: argparse.Namespace, runs_dir: Path) -> dict:
-    run_dir = runs_dir / f"{'pinned' if pinned else 'unpinned'}-{arm}" / f"seed-{seed}"
+def run_arm(arm: str, pinned: bool, seed: int, repeat: int, args: argparse.Namespace, runs_dir: Path) -> dict:
+    run_dir = runs_dir / f"{'pinned' if pinned else 'unpinned'}-{arm}" / f"seed-{seed}{f'-r{repeat}' if repeat else ''}"
     command = [sys.executable, "-m", "sao.cli", "run", "--run-dir", str(run_dir), "--set", f"env.seed={seed}",
-               "--set", f"run.heldout_cap={args.heldout_cap}", *arm_arguments(arm, args.tasks, args.group_size),
-               *pinning(pinned), *args.extra]
+               "--set", f"run.heldout_cap={args.heldout_cap}",
+               *arm_arguments(arm, args.tasks, args.group_size, repeat), *pinning(pinned), *args.extra]
     started = time.perf_counter()
     # Pinned, `sao run` itself starts on the samplers' CPUs, so the broker, the launcher and the feeder
     # (which inherit it) share them too and the trainer's CPUs are the trainer's alone.
@@ -95,7 +110,7 @@ def run_arm(arm: str, pinned: bool, seed: int, args: argparse.Namespace, runs_di
                                preexec_fn=start_on)
     if completed.returncode != 0:
         raise SystemExit(f"{run_dir.name}: sao run failed ({completed.returncode}): {completed.stderr[-3000:]}")
-    figures = {"arm": arm, "pinned": pinned, "seed": seed, "run_dir": str(run_dir),
+    figures = {"arm": arm, "pinned": pinned, "seed": seed, "repeat": repeat, "run_dir": str(run_dir),
                "wall_s": time.perf_counter() - started, **arm_figures(run_dir, synchronous=arm != "async")}
     if not args.keep_weights:  # gigabytes a run; the comparison reads summaries, status, eval and logs only
         RunDir(run_dir).drop_weights()
@@ -173,25 +188,101 @@ def sync_phases(run_dirs: list[Path]) -> dict:
     return {"S_s": s, "T_s": t, "bound": (s + t) / max(s, t), "batches": len(sampling)}
 
 
+def code_digest() -> str:
+    """sha256 over the sao package's Python sources (paths and bytes): runs pooled as repeats must share it,
+    since a default computed in code is not in a run's config."""
+    import sao
+
+    root = Path(sao.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def comparable_config(run_dir: Path) -> dict[str, object]:
+    """A run's effective config, flattened (`section.knob`), as two repeats must share it: without
+    REPEAT_FIELDS, and with the feeder's in-flight cap as the feeder used it (unset means the default)."""
+    from sao.config import load_config
+    from sao.feeder import in_flight_cap
+
+    config = load_config(run_dir / "config.toml", environ={})
+    config.run.max_trajectories_in_flight = in_flight_cap(config)
+    return {f"{section}.{knob}": value for section, knobs in config.model_dump().items()
+            for knob, value in knobs.items() if f"{section}.{knob}" not in REPEAT_FIELDS}
+
+
+def merged_runs(runs_dirs: list[Path], setting: str, own: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], list[str]]:
+    """Runs of earlier invocations (their timestamped folders) to pool with `own` as more repeats.
+
+    Only finished runs of this invocation's arms and seeds, from folders whose CODE_RECORD names this
+    code (`code_digest`), and only where the config equals that of this invocation's run of the same
+    arm and seed but for REPEAT_FIELDS. Returns (runs by arm, why each other run folder was left out).
+    """
+    pooled: dict[str, list[dict]] = {arm: [] for arm in own}
+    left_out: list[str] = []
+    for runs_dir in runs_dirs:
+        record = runs_dir / CODE_RECORD
+        recorded = json.loads(record.read_text()).get("sao_source_sha256") if record.exists() else None
+        if recorded != code_digest():
+            left_out.append(f"{runs_dir}: made by other code" if recorded else f"{runs_dir}: no {CODE_RECORD}")
+            continue
+        for arm, arm_runs in own.items():
+            reference = {r["seed"]: Path(r["run_dir"]) for r in arm_runs}
+            for run_dir in sorted((runs_dir / f"{setting}-{arm}").glob("seed-*")):
+                if not (run_dir / "summary.json").exists() or not (run_dir / "config.toml").exists():
+                    left_out.append(f"{run_dir}: unfinished (no summary.json or config.toml)")
+                    continue
+                config = comparable_config(run_dir)
+                seed = config["env.seed"]
+                if seed not in reference:
+                    continue  # a seed this invocation did not run
+                expected = comparable_config(reference[seed])
+                differing = sorted(key for key in expected.keys() | config.keys() if expected.get(key) != config.get(key))
+                if differing:
+                    left_out.append(f"{run_dir}: config differs in {', '.join(differing)}")
+                    continue
+                pooled[arm].append({"arm": arm, "pinned": setting == "pinned", "seed": seed, "repeat": None,
+                                    "merged": True, "run_dir": str(run_dir), "wall_s": None,
+                                    **arm_figures(run_dir, synchronous=arm != "async")})
+    return pooled, left_out
+
+
+def gains_by_seed(runs: list[dict]) -> dict[int, list[float]] | None:
+    """Each seed's held-out gains, one per run; None if a run has no held-out figure."""
+    if any(r["heldout_gain"] is None for r in runs):
+        return None
+    by_seed: dict[int, list[float]] = {}
+    for r in runs:
+        by_seed.setdefault(r["seed"], []).append(r["heldout_gain"])
+    return by_seed
+
+
 def learning(runs: list[dict]) -> dict:
-    """An arm's held-out gain over seeds: the mean, and its standard error across seeds."""
+    """An arm's held-out gain: the mean over seeds of each seed's mean over its runs, its standard error
+    across seeds, and the worst run."""
+    by_seed = gains_by_seed(runs)
     gains = [r["heldout_gain"] for r in runs]
-    if None in gains:
-        return {"gains": gains, "gain": None, "gain_stderr_seeds": None}
-    return {"gains": gains, "gain": statistics.fmean(gains), "gain_stderr_seeds": stats.stderr(gains)}
+    if by_seed is None:
+        return {"gains": gains, "gain": None, "gain_stderr_seeds": None, "worst": None, "below_zero": None}
+    means = [statistics.fmean(seed_gains) for seed_gains in by_seed.values()]
+    return {"gains": gains, "gain": statistics.fmean(means), "gain_stderr_seeds": stats.stderr(means),
+            "worst": min(gains), "below_zero": sum(gain < 0 for gain in gains)}
 
 
 def gain_difference(asynchronous: list[dict], sync: list[dict]) -> dict:
-    """async - sync held-out gain, paired by seed, with the error that applies.
+    """async - sync held-out gain, paired by seed (each arm's mean over its runs of the seed), with the error
+    that applies.
 
     Across seeds when there are several (it holds the run's own randomness, which dominates);
-    with one seed, only the error over questions of the two runs is known.
+    with one seed, only the error over questions of the two arms' first runs is known.
     """
-    pairs = [(a["heldout_gain"], s["heldout_gain"]) for a, s in zip(asynchronous, sync)]
-    if not pairs or any(None in pair for pair in pairs):
+    a, s = gains_by_seed(asynchronous), gains_by_seed(sync)
+    seeds = [seed for seed in (a or {}) if seed in (s or {})]
+    if not seeds:
         return {"heldout_gain_difference": None, "heldout_gain_difference_stderr": None,
                 "difference_error": None, "heldout_gains_within_2se": None}
-    differences = [a - s for a, s in pairs]
+    differences = [statistics.fmean(a[seed]) - statistics.fmean(s[seed]) for seed in seeds]
     if len(differences) > 1:
         se, error = stats.stderr(differences), f"across {len(differences)} seeds"
     else:
@@ -200,6 +291,34 @@ def gain_difference(asynchronous: list[dict], sync: list[dict]) -> dict:
     difference = statistics.fmean(differences)
     return {"heldout_gain_difference": difference, "heldout_gain_difference_stderr": se, "difference_error": error,
             "heldout_gain_differences": differences, "heldout_gains_within_2se": abs(difference) <= 2 * se}
+
+
+def seed_learning(asynchronous: list[dict], sync: list[dict]) -> dict:
+    """Each seed's async - sync held-out gain (means over each arm's runs of it) against the run-to-run spread.
+
+    Each arm's run-to-run variance is pooled over seeds (squared deviations from each seed's own mean
+    over n - 1 per seed degrees of freedom): a few repeats of one seed cannot estimate it on their own.
+    A seed's difference has s.e. sqrt(var_async / n_async + var_sync / n_sync) and is within 2 s.e.,
+    or behind (async lower by more), or ahead. No arm with two runs of a seed: no verdict.
+    """
+    a, s = gains_by_seed(asynchronous), gains_by_seed(sync)
+    if a is None or s is None:
+        return {"rows": [], "run_sd": {"async": None, "sync": None}, "outside": None, "behind": None}
+    variance = {"async": stats.pooled_variance(list(a.values())), "sync": stats.pooled_variance(list(s.values()))}
+    rows = []
+    for seed in sorted(a.keys() & s.keys()):
+        difference = statistics.fmean(a[seed]) - statistics.fmean(s[seed])
+        se = (math.sqrt(variance["async"] / len(a[seed]) + variance["sync"] / len(s[seed]))
+              if None not in variance.values() else None)
+        rows.append({"seed": seed, "async_runs": len(a[seed]), "sync_runs": len(s[seed]),
+                     "async_gain": statistics.fmean(a[seed]), "sync_gain": statistics.fmean(s[seed]),
+                     "difference": difference, "stderr": se,
+                     "within_2se": None if se is None else abs(difference) <= 2 * se,
+                     "behind_2se": None if se is None else difference < -2 * se})
+    judged = [row for row in rows if row["stderr"] is not None]
+    return {"rows": rows, "run_sd": {arm: None if v is None else math.sqrt(v) for arm, v in variance.items()},
+            "outside": sum(not row["within_2se"] for row in judged) if judged else None,
+            "behind": sum(row["behind_2se"] for row in judged) if judged else None}
 
 
 def paired_by_task(async_dir: Path, sync_dir: Path, which: str) -> tuple[float | None, float | None, int]:
@@ -226,19 +345,25 @@ def paired_versions(run: dict, against: dict) -> dict:
 
 
 def per_seed(runs: dict[str, list[dict]]) -> list[dict]:
-    """Each seed on its own: async / sync steady rate against that seed's bound, async - sync held-out
-    success paired by task (final and kept versions), and with the resampled arm resampled - sync the same way."""
+    """Each pair of runs of a seed (the i-th async with the i-th sync run of it): async / sync steady rate
+    against that pair's bound, async - sync held-out success paired by task (final and kept versions), and
+    with the resampled arm resampled - sync the same way."""
+    def of_seed(arm: str, seed: int) -> list[dict]:
+        return [r for r in runs.get(arm, []) if r["seed"] == seed]
+
     rows = []
-    for index, (a, s) in enumerate(zip(runs["async"], runs["sync"])):
-        phases = sync_phases([Path(s["run_dir"])])
-        ratio = (a["steady_trajectories_per_s"] / s["steady_trajectories_per_s"]
-                 if a["steady_trajectories_per_s"] and s["steady_trajectories_per_s"] else None)
-        row = {"seed": a["seed"], "ratio": ratio, "bound": phases["bound"],
-               "ratio_of_bound": ratio / phases["bound"] if ratio else None, **work_matched(a, s),
-               **paired_versions(a, s)}
-        if runs.get("resampled"):
-            row["resampled"] = paired_versions(runs["resampled"][index], s)
-        rows.append(row)
+    for seed in dict.fromkeys(r["seed"] for r in runs["async"]):
+        resampled = of_seed("resampled", seed)
+        for index, (a, s) in enumerate(zip(of_seed("async", seed), of_seed("sync", seed))):
+            phases = sync_phases([Path(s["run_dir"])])
+            ratio = (a["steady_trajectories_per_s"] / s["steady_trajectories_per_s"]
+                     if a["steady_trajectories_per_s"] and s["steady_trajectories_per_s"] else None)
+            row = {"seed": seed, "pair": index, "ratio": ratio, "bound": phases["bound"],
+                   "ratio_of_bound": ratio / phases["bound"] if ratio else None, **work_matched(a, s),
+                   **paired_versions(a, s)}
+            if index < len(resampled):
+                row["resampled"] = paired_versions(resampled[index], s)
+            rows.append(row)
     return rows
 
 
@@ -254,12 +379,12 @@ def work_matched(asynchronous: dict, sync: dict) -> dict:
 
 
 def outside_2se(rows: list[dict], key: str | None = None) -> dict:
-    """How many seeds' paired difference (async - sync; with `key`, that comparison's) is outside 2 s.e."""
+    """How many run pairs' difference by task (async - sync; with `key`, that comparison's) is outside 2 s.e."""
     counts = {}
     for which in ("final", "kept"):
         verdicts = [(row[key] if key else row)[which]["within_2se"] for row in rows if not key or key in row]
         known = [v for v in verdicts if v is not None]
-        counts[which] = {"outside": sum(not v for v in known), "seeds": len(known)}
+        counts[which] = {"outside": sum(not v for v in known), "pairs": len(known)}
     return counts
 
 
@@ -275,7 +400,8 @@ def compare(runs: dict[str, list[dict]], phases: dict) -> dict:
             "ratio_whole_run": whole_async / whole_sync if whole_async and whole_sync else None, **phases,
             "ratio_of_bound": ratio / phases["bound"] if ratio else None,
             "learning": {arm: learning(arm_runs) for arm, arm_runs in runs.items()},
-            **gain_difference(runs["async"], runs["sync"]), "per_seed": (rows := per_seed(runs)),
+            **gain_difference(runs["async"], runs["sync"]), "seed_learning": seed_learning(runs["async"], runs["sync"]),
+            "per_seed": (rows := per_seed(runs)),
             "async_outside_2se": outside_2se(rows),
             **({"resampled_outside_2se": outside_2se(rows, "resampled")} if runs.get("resampled") else {})}
 
@@ -287,7 +413,12 @@ def _fmt(value, spec: str = ".3f") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=48, help="trajectories per arm (grpo: tasks / group-size tasks)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every arm per seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="env.seed of each run (the tasks)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every arm per seed, repeat r with sampler.seed 2r (resampled: 2r + 1)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=[], metavar="RUNS_DIR",
+                        help="timestamped runs folders of earlier invocations: their finished runs of these arms and "
+                             "seeds whose config matches count as more repeats")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS[:3]),
                         help="arms to run (sync and async are always among them: the headline compares them; "
                              "resampled only when named)")
@@ -304,6 +435,8 @@ def main() -> None:
                              "figures are read)")
     parser.add_argument("extra", nargs="*", help="arguments passed on to every `sao run` (after --)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
     settings = args.compute or ("unpinned", "pinned")
     arms = [arm for arm in ARMS if arm in {*args.arms, "sync", "async"}]
     if "pinned" in settings and len(os.sched_getaffinity(0)) < 2:
@@ -314,23 +447,33 @@ def main() -> None:
 
     console = Console()
     runs_dir = args.runs_dir / time.strftime("%Y%m%d-%H%M%S")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    (runs_dir / CODE_RECORD).write_text(json.dumps({"sao_source_sha256": code_digest()}))
     results: dict[str, dict] = {}
     for setting in settings:
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
         for seed in args.seeds:  # seed by seed, so a stopped benchmark has whole seeds
+            for repeat in range(args.repeats):
+                for arm in arms:
+                    runs[arm].append(run_arm(arm, setting == "pinned", seed, repeat, args, runs_dir))
+        if args.merge:
+            pooled, left_out = merged_runs(args.merge, setting, runs)
+            for reason in left_out:
+                console.print(f"{setting}: not pooled: {reason}")
             for arm in arms:
-                runs[arm].append(run_arm(arm, setting == "pinned", seed, args, runs_dir))
+                runs[arm] = sorted(runs[arm] + pooled[arm], key=lambda r: r["seed"])  # stable: own runs first
         phases = sync_phases([Path(r["run_dir"]) for r in runs["sync"]])
         results[setting] = {"arms": runs, **compare(runs, phases)}
 
     table = Table(title=f"{args.tasks} trajectories per arm, seeds {args.seeds}, {len(os.sched_getaffinity(0))} CPUs")
-    for column in ("compute", "arm", "seed", "traj/s steady", "traj/s run", "trainer idle", "sampler idle", "staleness",
+    for column in ("compute", "arm", "seed", "repeat", "traj/s steady", "traj/s run", "trainer idle", "sampler idle", "staleness",
                    "delay s p50/p95", "delay steps p50/p95", "held-out gain ± s.e.", "n", "wall s"):
         table.add_column(column, justify="right")
     for setting, result in results.items():
         for r in (r for arm in arms for r in result["arms"][arm]):
             arm = r["arm"]
-            table.add_row(setting, arm, str(r["seed"]), _fmt(r["steady_trajectories_per_s"]),
+            table.add_row(setting, arm, str(r["seed"]), "merged" if r.get("merged") else str(r["repeat"]),
+                          _fmt(r["steady_trajectories_per_s"]),
                           _fmt(r["trajectories_per_s"]),
                           _fmt(r["trainer_idle_ratio"], ".2f"), _fmt(r["sampler_idle_ratio"], ".2f"),
                           _fmt(r["staleness_mean"], ".2f"),
@@ -338,7 +481,7 @@ def main() -> None:
                           f"{_fmt(r['sampling_to_training_steps_p50'], '.1f')}/"
                           f"{_fmt(r['sampling_to_training_steps_p95'], '.1f')}",
                           f"{_fmt(r['heldout_gain'], '+.3f')} ± {_fmt(r['heldout_gain_stderr'])}",
-                          _fmt(r["heldout_n"], "d"), f"{r['wall_s']:.0f}",
+                          _fmt(r["heldout_n"], "d"), _fmt(r["wall_s"], ".0f"),
                           end_section=arm == arms[-1] and r is result["arms"][arm][-1])
     console.print(table)
     for setting, r in results.items():
@@ -350,28 +493,44 @@ def main() -> None:
                 f"{which} async - sync {_fmt(row[which]['difference'], '+.3f')} ± {_fmt(row[which]['stderr'])} "
                 f"(n {row[which]['n']}, {'within' if row[which]['within_2se'] else 'NOT within'} 2 s.e.)"
                 for which in ("final", "kept") if row[which]["n"])
-            console.print(f"{setting}: seed {row['seed']}: async / sync {_fmt(row['ratio'], '.2f')}x, bound "
+            console.print(f"{setting}: seed {row['seed']} pair {row['pair']}: async / sync {_fmt(row['ratio'], '.2f')}x, bound "
                           f"{row['bound']:.2f}x, ratio / bound {_fmt(row['ratio_of_bound'], '.2f')}; each arm's own "
                           f"work: bound {_fmt(row['work_bound'], '.2f')}x, ratio / bound "
                           f"{_fmt(row['ratio_of_work_bound'], '.2f')} (efficiency async "
                           f"{_fmt(row['async_efficiency'], '.2f')}, sync {_fmt(row['sync_efficiency'], '.2f')})"
                           f"; {versions}")
             if "resampled" in row:
-                console.print(f"{setting}: seed {row['seed']}: sync against itself, " + "; ".join(
+                console.print(f"{setting}: seed {row['seed']} pair {row['pair']}: sync against itself, " + "; ".join(
                     f"{which} resampled - sync {_fmt(row['resampled'][which]['difference'], '+.3f')} ± "
                     f"{_fmt(row['resampled'][which]['stderr'])} ("
                     f"{'within' if row['resampled'][which]['within_2se'] else 'NOT within'} 2 s.e.)"
                     for which in ("final", "kept") if row["resampled"][which]["n"]))
         for label, key in (("async - sync", "async_outside_2se"), ("resampled - sync", "resampled_outside_2se")):
             if key in r:
-                console.print(f"{setting}: {label} outside 2 s.e. in " + ", ".join(
-                    f"{c['outside']} of {c['seeds']} seeds ({which})" for which, c in r[key].items()))
+                console.print(f"{setting}: {label} by task (over questions only) outside 2 s.e. in " + ", ".join(
+                    f"{c['outside']} of {c['pairs']} run pairs ({which})" for which, c in r[key].items()))
         if r["heldout_gains_within_2se"] is None:
             console.print(f"{setting}: no held-out figures (run.heldout_eval off?): learning not compared")
             continue
         for arm, learned in r["learning"].items():
             console.print(f"{setting}: {arm} held-out gain {learned['gain']:+.3f} ± "
-                          f"{_fmt(learned['gain_stderr_seeds'])} across {len(learned['gains'])} seed(s)")
+                          f"{_fmt(learned['gain_stderr_seeds'])} across seeds ({len(learned['gains'])} runs; worst "
+                          f"{learned['worst']:+.3f}, {learned['below_zero']} below 0)")
+        by_seed = r["seed_learning"]
+        if by_seed["outside"] is None:
+            console.print(f"{setting}: per seed: one run an arm and seed, so no run-to-run spread to judge a seed "
+                          "against (--repeats 2 or --merge)")
+        else:
+            console.print(f"{setting}: run-to-run sd of the held-out gain, pooled over seeds: async "
+                          f"{_fmt(by_seed['run_sd']['async'])}, sync {_fmt(by_seed['run_sd']['sync'])}")
+            for row in by_seed["rows"]:
+                verdict = "within 2 s.e." if row["within_2se"] else ("BEHIND by > 2 s.e." if row["behind_2se"]
+                                                                     else "ahead by > 2 s.e.")
+                console.print(f"{setting}: seed {row['seed']}: async {row['async_gain']:+.3f} ({row['async_runs']} "
+                              f"runs), sync {row['sync_gain']:+.3f} ({row['sync_runs']}): async - sync "
+                              f"{row['difference']:+.3f} ± {row['stderr']:.3f}, {verdict}")
+            console.print(f"{setting}: per seed against the run-to-run spread, async outside 2 s.e. in "
+                          f"{by_seed['outside']} of {len(by_seed['rows'])} seeds, behind in {by_seed['behind']}")
         console.print(f"{setting}: held-out gain async - sync = {r['heldout_gain_difference']:+.3f} ± "
                       f"{r['heldout_gain_difference_stderr']:.3f} ({r['difference_error']}): "
                       + ("within 2 s.e." if r["heldout_gains_within_2se"] else "NOT within 2 s.e."))
@@ -386,7 +545,9 @@ def main() -> None:
                                  "first step to the last"},
             "heldout_gains_within_2se": head["heldout_gains_within_2se"],
             "difference_error": head["difference_error"],
-            "results": results, "tasks": args.tasks, "seeds": args.seeds, "arms": arms, "group_size": args.group_size,
+            "seeds_async_behind_2se": head["seed_learning"]["behind"],
+            "results": results, "tasks": args.tasks, "seeds": args.seeds, "repeats": args.repeats,
+            "merged": [str(path) for path in args.merge], "arms": arms, "group_size": args.group_size,
             "cpus": sorted(os.sched_getaffinity(0)), "extra": args.extra, "runs_dir": str(runs_dir)}, indent=2))
 
 

@@ -1,4 +1,4 @@
-"""The few statistics sao reports: means of finite values, standard errors, paired differences.
+"""The few statistics sao reports: means of finite values, standard errors, paired differences, pooled variances.
 
 One home, so every figure with a ± is computed the same way: s.e. = sd (n - 1) / sqrt(n).
 """
@@ -24,6 +24,15 @@ def mean(values: list[Any]) -> float | None:
 def stderr(values: list[float]) -> float | None:
     """Standard error of the mean (sample sd / sqrt(n)); None below two values."""
     return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+
+
+def pooled_variance(groups: list[list[float]]) -> float | None:
+    """The within-group variance pooled over groups: squared deviations from each group's own mean over
+    the sum of (n - 1); None when no group has two values."""
+    freedom = sum(len(group) - 1 for group in groups if group)
+    if freedom < 1:
+        return None
+    return sum(sum((x - statistics.fmean(group)) ** 2 for x in group) for group in groups if group) / freedom
 
 
 def percentile(values: list[Any], q: float) -> float | None:

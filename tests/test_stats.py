@@ -1,10 +1,10 @@
-"""The statistics behind every reported figure: finite means, standard errors, paired gains."""
+"""The statistics behind every reported figure: finite means, standard errors, paired gains, pooled variances."""
 
 import math
 
 import pytest
 
-from sao.stats import mean, paired_gain, stderr
+from sao.stats import mean, paired_gain, pooled_variance, stderr
 
 
 def test_mean_leaves_out_what_is_not_a_finite_number():
@@ -26,3 +26,10 @@ def test_paired_gain_of_known_scores():
     assert paired_gain([0.5], [1.0]) == (0.5, None) and paired_gain([], []) == (None, None)
     with pytest.raises(ValueError, match="one base and one final score per item"):
         paired_gain([0, 1], [1])
+
+
+def test_pooled_variance_takes_deviations_from_each_groups_own_mean():
+    # Groups (1, 3) and (10, 10, 13): squared deviations 2 and 6 over (1 + 2) degrees of freedom.
+    assert pooled_variance([[1.0, 3.0], [10.0, 10.0, 13.0]]) == pytest.approx(8 / 3)
+    assert pooled_variance([[1.0, 3.0], [5.0], []]) == pytest.approx(2.0)  # one value adds no freedom
+    assert pooled_variance([[1.0], [2.0]]) is None

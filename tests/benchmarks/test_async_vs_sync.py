@@ -19,8 +19,10 @@ def _bench():
     return load_benchmark("async_vs_sync")
 
 
-def _runs(*gains_and_errors):
-    return [{"heldout_gain": gain, "heldout_gain_stderr": error} for gain, error in gains_and_errors]
+def _runs(*gains_and_errors, seeds=None):
+    seeds = seeds or range(len(gains_and_errors))
+    return [{"seed": seed, "heldout_gain": gain, "heldout_gain_stderr": error}
+            for seed, (gain, error) in zip(seeds, gains_and_errors)]
 
 
 def test_learning_is_compared_across_seeds_when_there_are_several():
@@ -41,6 +43,84 @@ def test_learning_is_compared_across_seeds_when_there_are_several():
     assert bench.gain_difference(_runs((None, None)), _runs((0.1, 0.05)))["heldout_gains_within_2se"] is None
     learned = bench.learning(asynchronous)
     assert learned["gain"] == pytest.approx(0.175) and learned["gain_stderr_seeds"] == pytest.approx(0.075)
+    assert learned["worst"] == pytest.approx(0.10) and learned["below_zero"] == 0
+
+
+def test_repeats_of_a_seed_count_once_in_the_mean_and_their_spread_judges_each_seed():
+    bench = _bench()
+    # Seed 0: async runs 0.30 and 0.10, sync 0.25 and 0.25; seed 1: async 0.20, 0.20, sync 0.40, 0.20, -0.10.
+    asynchronous = _runs((0.30, 0.05), (0.10, 0.05), (0.20, 0.05), (0.20, 0.05), seeds=[0, 0, 1, 1])
+    sync = _runs((0.25, 0.05), (0.25, 0.05), (0.40, 0.05), (0.20, 0.05), (-0.10, 0.05), seeds=[0, 0, 1, 1, 1])
+    learned = bench.learning(sync)
+    assert learned["gain"] == pytest.approx((0.25 + 0.50 / 3) / 2)  # each seed's mean, then over seeds
+    assert learned["worst"] == pytest.approx(-0.10) and learned["below_zero"] == 1
+    difference = bench.gain_difference(asynchronous, sync)
+    assert difference["heldout_gain_differences"] == pytest.approx([0.20 - 0.25, 0.20 - 0.50 / 3])
+    judged = bench.seed_learning(asynchronous, sync)
+    # Pooled within-seed variance: async (0.02 + 0) / (1 + 1); sync (0 + 0.1267) / (1 + 2).
+    var_async, var_sync = 0.02 / 2, (0.4 ** 2 + 0.2 ** 2 + 0.1 ** 2 - 3 * (0.5 / 3) ** 2) / 3
+    assert judged["run_sd"]["async"] == pytest.approx(var_async ** 0.5)
+    assert judged["run_sd"]["sync"] == pytest.approx(var_sync ** 0.5)
+    seed_0, seed_1 = judged["rows"]
+    assert seed_0["stderr"] == pytest.approx((var_async / 2 + var_sync / 2) ** 0.5)
+    assert seed_1["stderr"] == pytest.approx((var_async / 2 + var_sync / 3) ** 0.5)
+    assert seed_0["within_2se"] and seed_1["within_2se"] and judged["outside"] == 0 and judged["behind"] == 0
+    # A seed far behind against a small spread is called behind; one run a seed leaves no spread to judge by.
+    far = bench.seed_learning(_runs((0.0, 0.05), (0.02, 0.05), seeds=[0, 0]), _runs((0.3, 0.05), (0.32, 0.05), seeds=[0, 0]))
+    assert far["behind"] == 1 and far["rows"][0]["behind_2se"] is True
+    alone = bench.seed_learning(_runs((0.1, 0.05)), _runs((0.3, 0.05)))
+    assert alone["outside"] is None and alone["rows"][0]["stderr"] is None
+
+
+def test_repeats_draw_other_tokens_and_no_two_arms_share_draws():
+    bench = _bench()
+    seeds = {(arm, r): bench.sampler_seed(arm, r) for arm in ("sync", "async", "resampled") for r in range(3)}
+    assert seeds[("sync", 0)] == seeds[("async", 0)] == 0 and seeds[("resampled", 0)] == bench.RESAMPLED_SEED
+    assert len({seeds[("sync", r)] for r in range(3)} | {seeds[("resampled", r)] for r in range(3)}) == 6
+    assert bench.arm_arguments("async", 48, 8, repeat=2)[-2:] == ["--set", "sampler.seed=4"]
+    assert "sampler.seed" not in " ".join(bench.arm_arguments("sync", 48, 8, repeat=0))
+
+
+def _finished_run(run_dir: Path, *overrides: str, gain: float = 0.2) -> Path:
+    from sao.config import load_config, to_toml
+
+    (run_dir / "status").mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(load_config(overrides=[f"run.run_dir={str(run_dir)!r}", *overrides],
+                                                             environ={})))
+    (run_dir / "summary.json").write_text(json.dumps({"heldout_gain": gain, "heldout_gain_stderr": 0.05}))
+    (run_dir / "status" / "trainer.json").write_text(json.dumps({"steps": []}))
+    return run_dir
+
+
+def test_merge_pools_only_finished_runs_of_the_same_code_and_config(tmp_path):
+    bench = _bench()
+    own = {"async": [{"seed": 0, "run_dir": str(_finished_run(tmp_path / "now" / "pinned-async" / "seed-0",
+                                                                   "env.seed=0"))}]}
+
+    def earlier(name: str, code: str | None) -> Path:
+        folder = tmp_path / name
+        (folder / "pinned-async").mkdir(parents=True)
+        if code is not None:
+            (folder / bench.CODE_RECORD).write_text(json.dumps({"sao_source_sha256": code}))
+        return folder
+
+    same = earlier("same", bench.code_digest())
+    _finished_run(same / "pinned-async" / "seed-0", "env.seed=0", "sampler.seed=2", gain=0.4)  # another repeat
+    _finished_run(same / "pinned-async" / "seed-0-r1", "env.seed=0", "trainer.learning_rate=3e-5")  # another config
+    _finished_run(same / "pinned-async" / "seed-1", "env.seed=1")  # a seed not run now: skipped, not reported
+    (same / "pinned-async" / "seed-0-r2").mkdir()  # died before its summary
+    _finished_run(earlier("other-code", "0" * 64) / "pinned-async" / "seed-0", "env.seed=0")
+    _finished_run(earlier("unrecorded", None) / "pinned-async" / "seed-0", "env.seed=0")
+
+    pooled, left_out = bench.merged_runs([same, tmp_path / "other-code", tmp_path / "unrecorded"], "pinned", own)
+    (run,) = pooled["async"]
+    assert run["seed"] == 0 and run["merged"] and run["heldout_gain"] == 0.4
+    assert run["run_dir"].endswith("same/pinned-async/seed-0")
+    reasons = "\n".join(left_out)
+    assert "seed-0-r1: config differs in trainer.learning_rate" in reasons
+    assert "seed-0-r2: unfinished" in reasons
+    assert "other-code: made by other code" in reasons and f"unrecorded: no {bench.CODE_RECORD}" in reasons
+    assert len(left_out) == 4
 
 
 @pytest.mark.slow
@@ -64,13 +144,17 @@ def test_async_vs_sync_reports_rates_and_the_bound(tmp_path):
     assert 1 <= head["bound"] <= 2  # (S + T) / max(S, T)
     assert head["ratio_of_bound"] == pytest.approx(head["ratio"] / head["bound"])
     assert report["heldout_gains_within_2se"] is None  # run.heldout_eval = false: nothing to compare
-    assert report["seeds"] == [0] and report["arms"] == ["grpo", "sync", "async"]
+    assert report["seeds"] == [0] and report["repeats"] == 1 and report["arms"] == ["grpo", "sync", "async"]
+    assert report["seeds_async_behind_2se"] is None  # one run an arm: no run-to-run spread to judge a seed by
+    runs_dir = Path(report["runs_dir"])
+    assert json.loads((runs_dir / "code.json").read_text())["sao_source_sha256"] == _bench().code_digest()
 
     pinned = report["results"]["pinned"]
     assert list(report["results"]) == ["pinned"]
     assert set(pinned["arms"]) == {"grpo", "sync", "async"}
     for arm, (figures,) in pinned["arms"].items():  # one seed: one run per arm
-        assert figures["seed"] == 0 and figures["run_dir"].endswith(f"pinned-{arm}/seed-0"), arm
+        assert figures["seed"] == 0 and figures["repeat"] == 0, arm
+        assert figures["run_dir"].endswith(f"pinned-{arm}/seed-0"), arm
         assert figures["trajectories_trained"] == 8, arm  # the same number of trajectories in every arm
         assert not (Path(figures["run_dir"]) / "checkpoints").exists(), arm  # dropped once the figures are read
         assert figures["steady_trajectories_per_s"] > 0 and figures["wall_s"] > 0, arm
@@ -127,5 +211,5 @@ def test_the_resampled_arm_is_sync_with_other_draws_and_its_gaps_are_counted_lik
     rows = [{**bench.paired_versions(close, sync), "resampled": bench.paired_versions(far, sync)},
             {**bench.paired_versions(far, sync), "resampled": bench.paired_versions(close, sync)},
             {**bench.paired_versions(far, sync)}]  # a seed without the resampled arm
-    assert bench.outside_2se(rows) == {"final": {"outside": 2, "seeds": 3}, "kept": {"outside": 2, "seeds": 3}}
-    assert bench.outside_2se(rows, "resampled")["final"] == {"outside": 1, "seeds": 2}
+    assert bench.outside_2se(rows) == {"final": {"outside": 2, "pairs": 3}, "kept": {"outside": 2, "pairs": 3}}
+    assert bench.outside_2se(rows, "resampled")["final"] == {"outside": 1, "pairs": 2}
