@@ -326,8 +326,7 @@ class Trainer:
         self.step_learning_rate = self.engine.optimizer.param_groups[0]["lr"]  # a DeepSpeed scheduler moves it after
         outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
                              lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_width,
-                             self.accumulation, lambda: self.stopping, self.base_policy,
-                             self.shadow.before_update if self.shadow is not None else lambda: None)
+                             self.accumulation, lambda: self.stopping, self.base_policy)
         if outcome.interrupted:
             log.info("stopped during a step: its batch of %d goes back to the buffer, untrained", len(batch))
             if self.is_leader:

@@ -77,13 +77,6 @@ class ShadowValidation:
         if self.scorer is not None:
             self.scorer.request(version)
 
-    def before_update(self) -> None:
-        """Before an optimizer update: the snapshot being written must be whole first (its wait counts as
-        snapshot time)."""
-        started = time.perf_counter()
-        self.snapshots.settle()
-        self.board.snapshot_s += time.perf_counter() - started
-
     def verdict(self, engine) -> int | None:
         """Read a new score; the version to roll back to (agreed by every rank) after a drop, else None."""
         back_to, best, pending = -1, -1, -1

@@ -10,12 +10,13 @@ The tensors go to a safetensors file per version (three times the model's size i
 memory, two or three of them would double the trainer's footprint); the rest of the state dict
 (a few scalars and the loss scaler object) stays in memory. The files are this process's own.
 
-A file is written by a background thread, niced and on the run's background CPUs (`cpus`, from
-`shadow.background_cpus`), so the write overlaps the next step's forward and backward instead of
-delaying it, and on a pinned trainer it runs off the trainer's CPUs, where the samplers leave idle
-time. It reads the live optimizer tensors, which only an optimizer update changes: `settle` must
-be called before one (`train_step`'s `before_update`), and is called before any restore, relabel
-or drop. A write that fails costs that version its snapshot, never the training.
+`take` copies the tensors on the trainer's thread (a memory copy; on a GPU the copy to the host it
+needs anyway), and a background thread, niced and on the run's background CPUs (`cpus`, from
+`shadow.background_cpus`), writes the copy. So no optimizer update waits for a write: on a pinned
+trainer those CPUs are the samplers', and busy samplers can hold a niced write up for longer than a
+step. One copy at a time: `take` waits for the previous write first (versions are offered for
+scoring far apart, so that one is long done). `settle` is called before any restore, relabel or
+drop. A write that fails costs that version its snapshot, never the training.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ _TENSOR = "__tensor__"  # marks where a tensor stood in the state dict's skeleto
 
 
 def _split(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
-    """The state dict with every tensor moved into `tensors` (under its path) and a marker left behind."""
+    """The state dict with a copy of every tensor moved into `tensors` (under its path) and a marker left behind."""
     if torch.is_tensor(value):
-        tensors[path] = value.detach().contiguous().cpu()
+        tensors[path] = value.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
         return (_TENSOR, path)
     if isinstance(value, dict):
         return {key: _split(item, tensors, f"{path}/{key}") for key, item in value.items()}
@@ -80,21 +81,22 @@ class OptimizerSnapshots:
         return self.folder / f"v{version:06d}.safetensors"
 
     def take(self, engine, version: int) -> None:
-        """Start writing this rank's optimizer state as `version`; `settle` before the optimizer updates it."""
+        """Copy this rank's optimizer state as `version` and start writing the copy."""
+        self.settle()
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = _split(engine.optimizer.state_dict(), tensors, "")  # views of the live tensors
+        skeleton = _split(engine.optimizer.state_dict(), tensors, "")
         self.folder.mkdir(parents=True, exist_ok=True)
         self._writes[version] = self._writer.submit(self._write, tensors, version)
         self._skeletons[version] = skeleton
 
     def _write(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         partial = self._file(version).with_suffix(".tmp")
-        save_file(tensors, str(partial))  # a copy: once written, later steps do not change it
+        save_file(tensors, str(partial))
         partial.replace(self._file(version))
 
     def settle(self) -> None:
         """Wait until every snapshot taken is on disk. A write that failed (a full disk, say) costs its version its
-        snapshot, so no rollback can return there, and never the step waiting here."""
+        snapshot, so no rollback can return there, and never the caller waiting here."""
         writes, self._writes = self._writes, {}
         for version, write in writes.items():
             try:

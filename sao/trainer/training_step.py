@@ -55,12 +55,9 @@ class StepOutcome:
 
 def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], BatchPlan], cfg: TrainerConfig,
                memory_width: int, accumulation: int, stop_requested: Callable[[], bool] = lambda: False,
-               base_policy: torch.nn.Module | None = None,
-               before_update: Callable[[], None] = lambda: None) -> StepOutcome:
+               base_policy: torch.nn.Module | None = None) -> StepOutcome:
     """Score `plan` and step; `replan` makes the plan of a smaller batch (advantages depend on the batch).
     `base_policy`: a frozen copy of the base, for the KL to it (`TrainerConfig.keeps_base_policy`).
-    `before_update` runs after the last backward pass, right before the optimizer changes its state (an
-    optimizer snapshot still being written waits there, sao/trainer/snapshots.py).
 
     `stop_requested` is asked between forward passes: a stop (SIGTERM) then waits for one pass at
     most, and the step is abandoned with nothing applied.
@@ -68,8 +65,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     dead_letters: list[tuple[Trajectory, str, str]] = []
     while True:
         try:
-            outcome = _forward_backward_step(engine, plan, cfg, memory_width, accumulation, stop_requested, base_policy,
-                                             before_update)
+            outcome = _forward_backward_step(engine, plan, cfg, memory_width, accumulation, stop_requested, base_policy)
             if outcome.interrupted:
                 return outcome
             break
@@ -101,8 +97,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
 
 
 def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_width: int, accumulation: int,
-                           stop_requested: Callable[[], bool], base_policy: torch.nn.Module | None,
-                           before_update: Callable[[], None]) -> StepOutcome:
+                           stop_requested: Callable[[], bool], base_policy: torch.nn.Module | None) -> StepOutcome:
     """Forward, backward and optimizer step over the batch: `accumulation` chunks of trajectories,
     shared among the ranks, each scored in passes of at most `trainer.micro_batch_tokens` positions."""
     ranks, count = world_size(), len(plan.trajectories)
@@ -126,8 +121,6 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_w
             loss = loss * float("nan")
         engine.backward(loss)
         forward_backward_s += time.perf_counter() - t0
-        if index == len(passes) - 1:  # the boundary: this step() updates the optimizer's state
-            before_update()
         t1 = time.perf_counter()
         engine.step()
         optimizer_s += time.perf_counter() - t1

@@ -2,8 +2,9 @@
 version v after two more steps, and the weights equal v's, and the next step from there equals the
 step first taken from v (same batch): the AdamW moments came back too, not only the weights.
 
-The snapshot is written in the background while the next step runs; here its write is slowed so
-that the step reaches its optimizer update first: only `before_update` keeps that update out of it.
+The snapshot is written in the background while the next steps run; here its write is slowed so
+that two optimizer updates come first, and nothing waits for it: only the copy `take` made keeps
+those updates out of the file.
 """
 
 import pytest
@@ -13,13 +14,15 @@ from support.engine_scripts import TINY_ENGINE, run_script
 STEPS = TINY_ENGINE + """
 from sao.trainer.batch import plan_batch
 from sao.trainer.engine import gather_full_state
-import time
+import threading
 import sao.trainer.snapshots as snapshot_module
 from sao.trainer.snapshots import OptimizerSnapshots
 
 write_file = snapshot_module.save_file
-def slow_write(*args, **kwargs):  # the step after a snapshot reaches its update before this writes
-    time.sleep(3)
+two_updates_later = threading.Event()
+write_waited_out = []
+def slow_write(*args, **kwargs):  # writes only once two more optimizer updates are done
+    write_waited_out.append(not two_updates_later.wait(60))  # True: a step waited for this write
     write_file(*args, **kwargs)
 snapshot_module.save_file = slow_write
 
@@ -30,7 +33,7 @@ batches = [[synthetic_trajectory(8 * b + i, rng) for i in range(cfg.batch_size)]
 def step(batch):
     plan = plan_batch(batch, RewardBaseline(), cfg, 0)
     train_step(engine, plan, lambda kept: plan_batch(kept, RewardBaseline(), cfg, 0), cfg, 384,
-               batch_layout(cfg, 1)[1], before_update=snapshots.settle)
+               batch_layout(cfg, 1)[1])
 
 def max_difference(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -43,6 +46,7 @@ at_v1 = gather_full_state(engine)
 step(batches[1])
 after_v1 = gather_full_state(engine)
 step(batches[2])
+two_updates_later.set()
 moved = max_difference(gather_full_state(engine), at_v1)
 snapshots.restore(engine, 1)
 restored = max_difference(gather_full_state(engine), at_v1)
@@ -51,7 +55,8 @@ replayed = max_difference(gather_full_state(engine), after_v1)
 snapshots.relabel(1, 5)
 relabelled = snapshots.versions()
 snapshots.keep_only(set())
-print(json.dumps({"moved": moved, "restored": restored, "replayed": replayed, "relabelled": relabelled,
+print(json.dumps({"steps_waited_for_the_write": write_waited_out,
+                  "moved": moved, "restored": restored, "replayed": replayed, "relabelled": relabelled,
                   "kept": snapshots.versions(), "files": sorted(p.name for p in pathlib.Path(sys.argv[1]).iterdir())}))
 shutdown()
 """
@@ -60,6 +65,7 @@ shutdown()
 @pytest.mark.slow
 def test_restoring_a_snapshot_returns_weights_and_optimizer_state_to_that_version(tmp_path):
     found = run_script(STEPS, str(tmp_path))
+    assert found["steps_waited_for_the_write"] == [False]  # the two updates came while the write was pending
     assert found["moved"] > 1e-4  # two more steps changed the weights: a restore has something to undo
     assert found["restored"] == 0.0  # the weights are v1's, bit for bit
     # The step after the restore equals the step first taken from v1 on the same batch: with AdamW's
@@ -93,7 +99,7 @@ def test_a_snapshot_that_cannot_be_written_costs_its_version_not_the_step(tmp_pa
     engine.optimizer = optimizer
     snapshots = snapshot_module.OptimizerSnapshots(tmp_path)
     snapshots.take(engine, 3)
-    snapshots.settle()  # what a step does before its optimizer update: it must not raise
+    snapshots.settle()  # what a restore or a drop does first: it must not raise
     assert 3 not in snapshots and snapshots.versions() == []
     assert list(tmp_path.iterdir()) == []
     assert "could not be written" in caplog.text
