@@ -221,14 +221,16 @@ def merged_runs(runs_dirs: list[Path], setting: str, own: dict[str, list[dict]])
     """
     pooled: dict[str, list[dict]] = {arm: [] for arm in own}
     left_out: list[str] = []
+    this_code = code_digest()
+    references = {arm: {r["seed"]: comparable_config(Path(r["run_dir"])) for r in arm_runs}
+                  for arm, arm_runs in own.items()}  # each arm and seed's config, read once
     for runs_dir in runs_dirs:
         record = runs_dir / CODE_RECORD
         recorded = json.loads(record.read_text()).get("sao_source_sha256") if record.exists() else None
-        if recorded != code_digest():
+        if recorded != this_code:
             left_out.append(f"{runs_dir}: made by other code" if recorded else f"{runs_dir}: no {CODE_RECORD}")
             continue
-        for arm, arm_runs in own.items():
-            reference = {r["seed"]: Path(r["run_dir"]) for r in arm_runs}
+        for arm, reference in references.items():
             for run_dir in sorted((runs_dir / f"{setting}-{arm}").glob("seed-*")):
                 if not (run_dir / "summary.json").exists() or not (run_dir / "config.toml").exists():
                     left_out.append(f"{run_dir}: unfinished (no summary.json or config.toml)")
@@ -237,7 +239,7 @@ def merged_runs(runs_dirs: list[Path], setting: str, own: dict[str, list[dict]])
                 seed = config["env.seed"]
                 if seed not in reference:
                     continue  # a seed this invocation did not run
-                expected = comparable_config(reference[seed])
+                expected = reference[seed]
                 differing = sorted(key for key in expected.keys() | config.keys() if expected.get(key) != config.get(key))
                 if differing:
                     left_out.append(f"{run_dir}: config differs in {', '.join(differing)}")
