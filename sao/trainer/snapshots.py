@@ -11,17 +11,21 @@ memory, two or three of them would double the trainer's footprint); the rest of 
 (a few scalars and the loss scaler object) stays in memory. The files are this process's own.
 
 `take` copies the tensors on the trainer's thread (a memory copy; on a GPU the copy to the host it
-needs anyway), and a background thread, niced and on the run's background CPUs (`cpus`, from
+needs anyway) into one set of host buffers kept for the run, since fresh buffers of that size cost
+the trainer page faults, and page-cache reclaim under the run's file writes, at every snapshot.
+A background thread, niced and on the run's background CPUs (`cpus`, from
 `shadow.background_cpus`), writes the copy. So no optimizer update waits for a write: on a pinned
 trainer those CPUs are the samplers', and busy samplers can hold a niced write up for longer than a
 step. One copy at a time: `take` waits for the previous write first (versions are offered for
-scoring far apart, so that one is long done). `settle` is called before any restore, relabel or
-drop. A write that fails costs that version its snapshot, never the training.
+scoring far apart, so that one is normally done) and logs how long it waited and how long it
+copied. `settle` is called before any restore, relabel or drop. A write that fails costs that
+version its snapshot, never the training.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,9 +41,9 @@ _TENSOR = "__tensor__"  # marks where a tensor stood in the state dict's skeleto
 
 
 def _split(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
-    """The state dict with a copy of every tensor moved into `tensors` (under its path) and a marker left behind."""
+    """The state dict with every tensor moved into `tensors` (under its path) and a marker left behind."""
     if torch.is_tensor(value):
-        tensors[path] = value.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+        tensors[path] = value.detach()
         return (_TENSOR, path)
     if isinstance(value, dict):
         return {key: _split(item, tensors, f"{path}/{key}") for key, item in value.items()}
@@ -65,6 +69,7 @@ class OptimizerSnapshots:
         self.folder = Path(folder)
         self._skeletons: dict[int, Any] = {}
         self._writes: dict[int, Future] = {}  # versions whose file is being written
+        self._buffers: dict[str, torch.Tensor] = {}  # path in the state dict -> the host copy being written
         self._writer = ThreadPoolExecutor(1, "sao-snapshot-writer", initializer=run_in_background, initargs=(cpus,))
 
     def __contains__(self, version: int) -> bool:
@@ -82,12 +87,24 @@ class OptimizerSnapshots:
 
     def take(self, engine, version: int) -> None:
         """Copy this rank's optimizer state as `version` and start writing the copy."""
-        self.settle()
-        tensors: dict[str, torch.Tensor] = {}
-        skeleton = _split(engine.optimizer.state_dict(), tensors, "")
+        started = time.perf_counter()
+        self.settle()  # the buffers are free again
+        copying = time.perf_counter()
+        live: dict[str, torch.Tensor] = {}
+        skeleton = _split(engine.optimizer.state_dict(), live, "")
+        copies = {path: self._copy(path, tensor) for path, tensor in live.items()}
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._writes[version] = self._writer.submit(self._write, tensors, version)
+        self._writes[version] = self._writer.submit(self._write, copies, version)
         self._skeletons[version] = skeleton
+        log.info("optimizer snapshot of v%d: waited %.1f s for the previous write, copied in %.1f s",
+                 version, copying - started, time.perf_counter() - copying)
+
+    def _copy(self, path: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied into this path's host buffer, made anew only where its shape or dtype changed."""
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        return buffer.copy_(tensor)
 
     def _write(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         partial = self._file(version).with_suffix(".tmp")
@@ -110,6 +127,7 @@ class OptimizerSnapshots:
     def close(self) -> None:
         self.settle()
         self._writer.shutdown()
+        self._buffers.clear()
 
     def restore(self, engine, version: int) -> None:
         """Master weights, module weights and AdamW state back to `version` (every rank calls it)."""

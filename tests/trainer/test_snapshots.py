@@ -104,3 +104,38 @@ def test_a_snapshot_that_cannot_be_written_costs_its_version_not_the_step(tmp_pa
     assert list(tmp_path.iterdir()) == []
     assert "could not be written" in caplog.text
     snapshots.close()
+
+
+def test_later_snapshots_reuse_the_host_buffers_and_leave_earlier_files_whole(tmp_path):
+    """The second snapshot copies into the buffers the first one was written from (no fresh allocation of the
+    optimizer's size), and only once that write is done: both files hold their own version's moments."""
+    import torch
+    from safetensors.torch import load_file
+
+    from sao.trainer.snapshots import OptimizerSnapshots
+
+    weights = torch.nn.Parameter(torch.ones(64))
+    optimizer = torch.optim.AdamW([weights])
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.optimizer = optimizer
+    snapshots = OptimizerSnapshots(tmp_path)
+    moments = {}
+    buffers = []
+    for version, gradient in ((1, 1.0), (2, -3.0)):
+        weights.grad = torch.full((64,), gradient)
+        optimizer.step()
+        snapshots.take(engine, version)
+        moments[version] = optimizer.state[weights]["exp_avg"].clone()
+        buffers.append({path: tensor.data_ptr() for path, tensor in snapshots._buffers.items()})
+    snapshots.settle()
+    assert buffers[0] == buffers[1] and buffers[0]  # same host memory both times
+    for version in (1, 2):
+        [exp_avg] = [t for name, t in load_file(str(tmp_path / f"v{version:06d}.safetensors")).items()
+                     if name.endswith("/exp_avg")]
+        assert torch.equal(exp_avg, moments[version])
+    assert not torch.equal(moments[1], moments[2])
+    snapshots.close()
