@@ -212,6 +212,16 @@ def comparable_config(run_dir: Path) -> dict[str, object]:
             for knob, value in knobs.items() if f"{section}.{knob}" not in REPEAT_FIELDS}
 
 
+def recorded_code(runs_dir: Path) -> str | None:
+    """The code digest a runs folder's CODE_RECORD names; None where it is missing or not a JSON object."""
+    try:
+        record = json.loads((runs_dir / CODE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    digest = record.get("sao_source_sha256") if isinstance(record, dict) else None
+    return digest if isinstance(digest, str) else None
+
+
 def merged_runs(runs_dirs: list[Path], setting: str, own: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], list[str]]:
     """Runs of earlier invocations (their timestamped folders) to pool with `own` as more repeats.
 
@@ -225,10 +235,9 @@ def merged_runs(runs_dirs: list[Path], setting: str, own: dict[str, list[dict]])
     references = {arm: {r["seed"]: comparable_config(Path(r["run_dir"])) for r in arm_runs}
                   for arm, arm_runs in own.items()}  # each arm and seed's config, read once
     for runs_dir in runs_dirs:
-        record = runs_dir / CODE_RECORD
-        recorded = json.loads(record.read_text()).get("sao_source_sha256") if record.exists() else None
+        recorded = recorded_code(runs_dir)
         if recorded != this_code:
-            left_out.append(f"{runs_dir}: made by other code" if recorded else f"{runs_dir}: no {CODE_RECORD}")
+            left_out.append(f"{runs_dir}: made by other code" if recorded else f"{runs_dir}: no readable {CODE_RECORD}")
             continue
         for arm, reference in references.items():
             for run_dir in sorted((runs_dir / f"{setting}-{arm}").glob("seed-*")):

@@ -111,16 +111,21 @@ def test_merge_pools_only_finished_runs_of_the_same_code_and_config(tmp_path):
     (same / "pinned-async" / "seed-0-r2").mkdir()  # died before its summary
     _finished_run(earlier("other-code", "0" * 64) / "pinned-async" / "seed-0", "env.seed=0")
     _finished_run(earlier("unrecorded", None) / "pinned-async" / "seed-0", "env.seed=0")
+    garbled = earlier("garbled", None)
+    (garbled / bench.CODE_RECORD).write_text("{not json")  # a record cut short: left out, not a traceback
+    _finished_run(garbled / "pinned-async" / "seed-0", "env.seed=0")
 
-    pooled, left_out = bench.merged_runs([same, tmp_path / "other-code", tmp_path / "unrecorded"], "pinned", own)
+    pooled, left_out = bench.merged_runs([same, tmp_path / "other-code", tmp_path / "unrecorded", garbled],
+                                         "pinned", own)
     (run,) = pooled["async"]
     assert run["seed"] == 0 and run["merged"] and run["heldout_gain"] == 0.4
     assert run["run_dir"].endswith("same/pinned-async/seed-0")
     reasons = "\n".join(left_out)
     assert "seed-0-r1: config differs in trainer.learning_rate" in reasons
     assert "seed-0-r2: unfinished" in reasons
-    assert "other-code: made by other code" in reasons and f"unrecorded: no {bench.CODE_RECORD}" in reasons
-    assert len(left_out) == 4
+    assert "other-code: made by other code" in reasons
+    assert f"unrecorded: no readable {bench.CODE_RECORD}" in reasons and f"garbled: no readable {bench.CODE_RECORD}" in reasons
+    assert len(left_out) == 5
 
 
 @pytest.mark.slow
