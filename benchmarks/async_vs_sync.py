@@ -269,6 +269,11 @@ def gains_by_seed(runs: list[dict]) -> dict[int, list[float]] | None:
     return by_seed
 
 
+def seed_differences(a: dict[int, list[float]], s: dict[int, list[float]]) -> dict[int, float]:
+    """Per seed both arms ran: async's mean gain over its runs of the seed minus sync's."""
+    return {seed: statistics.fmean(a[seed]) - statistics.fmean(s[seed]) for seed in sorted(a.keys() & s.keys())}
+
+
 def learning(runs: list[dict]) -> dict:
     """An arm's held-out gain: the mean over seeds of each seed's mean over its runs, its standard error
     across seeds, and the worst run."""
@@ -288,12 +293,10 @@ def gain_difference(asynchronous: list[dict], sync: list[dict]) -> dict:
     Across seeds when there are several (it holds the run's own randomness, which dominates);
     with one seed, only the error over questions of the two arms' first runs is known.
     """
-    a, s = gains_by_seed(asynchronous), gains_by_seed(sync)
-    seeds = [seed for seed in (a or {}) if seed in (s or {})]
-    if not seeds:
+    differences = list(seed_differences(gains_by_seed(asynchronous) or {}, gains_by_seed(sync) or {}).values())
+    if not differences:
         return {"heldout_gain_difference": None, "heldout_gain_difference_stderr": None,
                 "difference_error": None, "heldout_gains_within_2se": None}
-    differences = [statistics.fmean(a[seed]) - statistics.fmean(s[seed]) for seed in seeds]
     if len(differences) > 1:
         se, error = stats.stderr(differences), f"across {len(differences)} seeds"
     else:
@@ -317,8 +320,7 @@ def seed_learning(asynchronous: list[dict], sync: list[dict]) -> dict:
         return {"rows": [], "run_sd": {"async": None, "sync": None}, "outside": None, "behind": None}
     variance = {"async": stats.pooled_variance(list(a.values())), "sync": stats.pooled_variance(list(s.values()))}
     rows = []
-    for seed in sorted(a.keys() & s.keys()):
-        difference = statistics.fmean(a[seed]) - statistics.fmean(s[seed])
+    for seed, difference in seed_differences(a, s).items():
         se = (math.sqrt(variance["async"] / len(a[seed]) + variance["sync"] / len(s[seed]))
               if None not in variance.values() else None)
         rows.append({"seed": seed, "async_runs": len(a[seed]), "sync_runs": len(s[seed]),
