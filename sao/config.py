@@ -579,6 +579,10 @@ class SaoConfig(Section):
     run: RunConfig = RunConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    def run_cpus(self, launcher_cpus: set[int]) -> set[int]:
+        """The CPUs this run's processes may use: the launcher's (`launcher_cpus`), plus any a role is pinned to."""
+        return set(launcher_cpus) | set(self.sampler.cpu_affinity or ()) | set(self.trainer.cpu_affinity or ())
+
     @model_validator(mode="after")
     def _sync_mode_fits(self) -> SaoConfig:
         if self.run.mode != "sync":

@@ -90,7 +90,7 @@ def run(config: SaoConfig, console: Console) -> dict:
     # Where the CPU went (sao/report.py): the broker's and the launcher's share; the others write their own.
     write_status(run_dir.status("launcher"), {"cpu_s": own_cpu_seconds() - launcher_cpu_at_start,
                                               "broker_cpu_s": broker_cpu_s, "wall_s": duration_s,
-                                              "cores": len(_run_cpus(config))})
+                                              "cores": len(config.run_cpus(os.sched_getaffinity(0)))})
     _compare_on_heldout(config, run_dir, console)
     summary = build_summary(config, run_dir.root, duration_s)
     run_dir.summary.write_text(json.dumps(summary, indent=2))
@@ -232,11 +232,6 @@ def _progress(samplers: dict[str, dict], trainer: dict) -> tuple:
     progress = TrainerProgress.from_status(trainer)
     scores = len((trainer.get("shadow") or {}).get("scores", {}))
     return sampler_work, progress.trajectories_trained, progress.dead_lettered, progress.step, scores
-
-
-def _run_cpus(config: SaoConfig) -> set[int]:
-    """The CPUs this run's processes may use: the launcher's own, plus any a role is pinned to."""
-    return set(os.sched_getaffinity(0)) | set(config.sampler.cpu_affinity or ()) | set(config.trainer.cpu_affinity or ())
 
 
 def _raise_interrupt(*_: object) -> None:

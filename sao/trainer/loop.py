@@ -404,7 +404,7 @@ class Trainer:
         if is_leader:
             self.run_dir.root.mkdir(parents=True, exist_ok=True)
             self.run_dir.trainer_config.write_text(to_toml(self.config))
-        cpus = background_cpus(self.config.trainer.cpu_affinity, self.config.sampler.cpu_affinity)
+        cpus = background_cpus(self.config)
         return ShadowValidation.start(self.config.trainer, self.run_dir, self.run_dir.trainer_config, is_leader,
                                       resume, cpus)
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sao.config import SaoConfig
 from sao.policy.chain import read_version_state
 from sao.policy.weights import write_weights
 from sao.run_dir import RunDir
@@ -139,17 +140,17 @@ def earlier_board(run_dir: RunDir, margin: float) -> ShadowBoard:
     return board
 
 
-def background_cpus(trainer_cpus: list[int] | None, sampler_cpus: list[int] | None) -> set[int]:
+def background_cpus(config: SaoConfig) -> set[int]:
     """The CPUs for the run's background work (shadow scorer, snapshot writes): those the run's processes may
-    use (what the trainer's parent, the launcher, may, plus any a role is pinned to), less a pinned trainer's
+    use (`SaoConfig.run_cpus`, with the trainer's parent as the launcher), less a pinned trainer's
     (`trainer.cpu_affinity`) when others are left: there it would lengthen a step, while the samplers' CPUs
     have the slack of a run that waits on its trainer."""
     try:
         started_by = set(os.sched_getaffinity(os.getppid()))
     except OSError:  # the parent is gone: this process's own CPUs are what is known
         started_by = set(os.sched_getaffinity(0))
-    run = started_by | set(trainer_cpus or ()) | set(sampler_cpus or ())
-    return (run - set(trainer_cpus or ())) or run
+    run = config.run_cpus(started_by)
+    return (run - set(config.trainer.cpu_affinity or ())) or run
 
 
 def run_in_background(cpus: set[int] | None) -> None:

@@ -57,7 +57,9 @@ def test_a_pinned_trainers_scorer_runs_on_the_samplers_cpus(tmp_path):
     run_dir.root.mkdir()
     os.sched_setaffinity(0, trainer)  # as `sao trainer` pins itself: the scorer would inherit this
     try:
-        process = ShadowScorerProcess(run_dir, tmp_path / "config.toml", background_cpus(trainer, samplers))
+        config = load_config(overrides=[f"sampler.cpu_affinity={samplers}", f"trainer.cpu_affinity={trainer}"],
+                             environ={})
+        process = ShadowScorerProcess(run_dir, tmp_path / "config.toml", background_cpus(config))
     finally:
         os.sched_setaffinity(0, cpus)
     try:
