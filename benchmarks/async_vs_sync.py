@@ -380,6 +380,23 @@ def per_seed(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+def seed_rates(runs: dict[str, list[dict]]) -> list[dict]:
+    """Each seed's async / sync steady rate over all its runs (mean rate of each arm) against the bound from all
+    its sync runs' batches: the throughput counterpart of `seed_learning`, where one run pair's ratio moves with
+    what its two policies happened to sample."""
+    rows = []
+    for seed in dict.fromkeys(r["seed"] for r in runs["async"]):
+        a = [r["steady_trajectories_per_s"] for r in runs["async"] if r["seed"] == seed]
+        s = [r for r in runs["sync"] if r["seed"] == seed]
+        if not s or None in a or any(r["steady_trajectories_per_s"] is None for r in s):
+            continue
+        ratio = statistics.fmean(a) / statistics.fmean(r["steady_trajectories_per_s"] for r in s)
+        bound = sync_phases([Path(r["run_dir"]) for r in s])["bound"]
+        rows.append({"seed": seed, "async_runs": len(a), "sync_runs": len(s), "ratio": ratio, "bound": bound,
+                     "ratio_of_bound": ratio / bound})
+    return rows
+
+
 def work_matched(asynchronous: dict, sync: dict) -> dict:
     """The bound from each arm's own work: sync's S + T over async's max(S, T). The rate ratio over it is
     async's efficiency over sync's (see `own_phases`)."""
@@ -414,7 +431,7 @@ def compare(runs: dict[str, list[dict]], phases: dict) -> dict:
             "ratio_of_bound": ratio / phases["bound"] if ratio else None,
             "learning": {arm: learning(arm_runs) for arm, arm_runs in runs.items()},
             **gain_difference(runs["async"], runs["sync"]), "seed_learning": seed_learning(runs["async"], runs["sync"]),
-            "per_seed": (rows := per_seed(runs)),
+            "per_seed": (rows := per_seed(runs)), "seed_rates": seed_rates(runs),
             "async_outside_2se": outside_2se(rows),
             **({"resampled_outside_2se": outside_2se(rows, "resampled")} if runs.get("resampled") else {})}
 
@@ -518,6 +535,10 @@ def main() -> None:
                     f"{_fmt(row['resampled'][which]['stderr'])} ("
                     f"{'within' if row['resampled'][which]['within_2se'] else 'NOT within'} 2 s.e.)"
                     for which in ("final", "kept") if row["resampled"][which]["n"]))
+        for row in r["seed_rates"]:
+            console.print(f"{setting}: seed {row['seed']}, all its runs ({row['async_runs']} async, {row['sync_runs']} "
+                          f"sync): async / sync {row['ratio']:.2f}x, bound {row['bound']:.2f}x, ratio / bound "
+                          f"{row['ratio_of_bound']:.2f}")
         for label, key in (("async - sync", "async_outside_2se"), ("resampled - sync", "resampled_outside_2se")):
             if key in r:
                 console.print(f"{setting}: {label} by task (over questions only) outside 2 s.e. in " + ", ".join(

@@ -176,6 +176,21 @@ def test_async_vs_sync_reports_rates_and_the_bound(tmp_path):
     assert row["work_bound"] == pytest.approx((s["sampler_busy_s"] + s["trainer_busy_s"])
                                               / max(a["sampler_busy_s"], a["trainer_busy_s"]))
     assert row["ratio_of_work_bound"] == pytest.approx(row["ratio"] / row["work_bound"])
+    (seed_row,) = pinned["seed_rates"]  # one run an arm: the seed's figures are its one pair's
+    assert seed_row["ratio"] == pytest.approx(row["ratio"]) and seed_row["bound"] == pytest.approx(row["bound"])
+
+
+def test_a_seeds_rate_pools_all_its_runs_of_each_arm(monkeypatch):
+    """Two run pairs of one seed at 3.0x and 0.67x: the seed's ratio is its mean async rate over its mean sync
+    rate (1.6x), against the bound from both sync runs' batches."""
+    bench = _bench()
+    pooled_from = []
+    monkeypatch.setattr(bench, "sync_phases", lambda dirs: pooled_from.append(dirs) or {"bound": 1.6})
+    runs = {"async": [{"seed": 0, "steady_trajectories_per_s": rate, "run_dir": f"a{i}"} for i, rate in enumerate((0.6, 0.2))],
+            "sync": [{"seed": 0, "steady_trajectories_per_s": rate, "run_dir": f"s{i}"} for i, rate in enumerate((0.2, 0.3))]}
+    (row,) = bench.seed_rates(runs)
+    assert row["ratio"] == pytest.approx(1.6) and row["ratio_of_bound"] == pytest.approx(1.0)
+    assert row["async_runs"] == row["sync_runs"] == 2 and pooled_from == [[Path("s0"), Path("s1")]]
 
 
 def _heldout(run_dir: Path, per_task: dict) -> Path:
