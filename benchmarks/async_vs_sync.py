@@ -357,17 +357,19 @@ def paired_versions(run: dict, against: dict) -> dict:
     return paired
 
 
+def runs_of(runs: dict[str, list[dict]], arm: str, seed: int) -> list[dict]:
+    """An arm's runs of one seed, in the order they ran."""
+    return [r for r in runs.get(arm, []) if r["seed"] == seed]
+
+
 def per_seed(runs: dict[str, list[dict]]) -> list[dict]:
     """Each pair of runs of a seed (the i-th async with the i-th sync run of it): async / sync steady rate
     against that pair's bound, async - sync held-out success paired by task (final and kept versions), and
     with the resampled arm resampled - sync the same way."""
-    def of_seed(arm: str, seed: int) -> list[dict]:
-        return [r for r in runs.get(arm, []) if r["seed"] == seed]
-
     rows = []
     for seed in dict.fromkeys(r["seed"] for r in runs["async"]):
-        resampled = of_seed("resampled", seed)
-        for index, (a, s) in enumerate(zip(of_seed("async", seed), of_seed("sync", seed))):
+        resampled = runs_of(runs, "resampled", seed)
+        for index, (a, s) in enumerate(zip(runs_of(runs, "async", seed), runs_of(runs, "sync", seed))):
             phases = sync_phases([Path(s["run_dir"])])
             ratio = (a["steady_trajectories_per_s"] / s["steady_trajectories_per_s"]
                      if a["steady_trajectories_per_s"] and s["steady_trajectories_per_s"] else None)
@@ -386,8 +388,8 @@ def seed_rates(runs: dict[str, list[dict]]) -> list[dict]:
     what its two policies happened to sample."""
     rows = []
     for seed in dict.fromkeys(r["seed"] for r in runs["async"]):
-        a = [r["steady_trajectories_per_s"] for r in runs["async"] if r["seed"] == seed]
-        s = [r for r in runs["sync"] if r["seed"] == seed]
+        a = [r["steady_trajectories_per_s"] for r in runs_of(runs, "async", seed)]
+        s = runs_of(runs, "sync", seed)
         if not s or None in a or any(r["steady_trajectories_per_s"] is None for r in s):
             continue
         ratio = statistics.fmean(a) / statistics.fmean(r["steady_trajectories_per_s"] for r in s)
