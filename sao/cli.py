@@ -69,6 +69,17 @@ def _config(path: Path | None, sets: list[str] | None, **flags: Any) -> SaoConfi
         raise typer.Exit(2) from err
 
 
+def _check_env(cfg: SaoConfig) -> None:
+    """Refuse a bad env.name or env.dataset_options with one line before a command makes any task."""
+    from sao.envs.registry import UnknownEnv, check_env_config
+
+    try:
+        check_env_config(cfg.env)
+    except (ConfigError, UnknownEnv) as err:
+        console.print(f"[red]config error:[/] {escape(str(err))}", soft_wrap=True)
+        raise typer.Exit(2) from err
+
+
 def _literal(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -130,6 +141,7 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
                                    "sampler.num_samplers": samplers, "policy.model": model, "env.name": env,
                                    "broker.bootstrap_servers": bootstrap_servers,
                                    "metrics.launcher_port": metrics_port})
+    _check_env(cfg)
     _serve_metrics(cfg, cfg.metrics.launcher_port, "launcher")
     from sao.envs.registry import UnknownEnv
     from sao.feeder import TasksNotAcknowledged
@@ -205,6 +217,7 @@ def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Boots
     """Send tasks to the tasks topic."""
     _setup_logging()
     cfg = _config(config, set_, **{"run.num_tasks": num_tasks})
+    _check_env(cfg)
     from sao.feeder import feed_tasks
 
     sent = feed_tasks(cfg, _bootstrap(cfg, bootstrap_servers), cfg.run.num_tasks, start_index)
@@ -332,6 +345,7 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
     """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
     cfg = _config(config, set_)
+    _check_env(cfg)
     from sao.policy.weights import WeightsMismatch
     from sao.sampler.evaluation import best_version, compare, evaluate
 

@@ -112,14 +112,26 @@ class SandboxConfig(Section):
     output_chars: int = Field(2000, ge=100, description="stdout/stderr kept from the program (its tail).")
 
 
+DEFAULT_DATASET = "basic_arithmetic"
+# The options a dataset starts from before env.dataset_options: the default dataset's are easy enough for a small
+# model to learn from; a dataset not named here starts from reasoning-gym's own defaults.
+DATASET_DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
+    DEFAULT_DATASET: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+                      "allow_parentheses": False, "allow_negation": False}}
+
+
 class EnvConfig(Section):
     name: str = Field("arithmetic", description="Built-in env name, or `package.module:Class` of your own "
                       "(see sao/envs/registry.py).")
-    dataset: str = Field("basic_arithmetic", description="reasoning-gym dataset the tasks come from.")
+    dataset: str = Field(DEFAULT_DATASET, description="reasoning-gym dataset the tasks come from (any name "
+                                                      "reasoning_gym.create_dataset takes).")
     dataset_options: dict[str, Any] = Field(
-        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-                                 "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False},
-        description="Keyword arguments of reasoning_gym.create_dataset (difficulty knobs).")
+        default_factory=dict,
+        description="Fields of env.dataset's reasoning-gym config (its difficulty knobs), merged over that dataset's "
+                    "defaults: for basic_arithmetic sao's own (two 1-digit terms, + and -, no parentheses, no "
+                    "negation), for any other dataset reasoning-gym's. Setting one option (`--set "
+                    "env.dataset_options.max_terms=3`) keeps the others. An option the dataset's config class does "
+                    "not have, or a value it refuses, stops every command that makes tasks at start, naming it.")
     answer_format: Literal["last_number", "last_line"] = Field(
         "last_number", description="arithmetic env: what of the reply is scored - its last number, or its last "
                                    "non-empty line (for reasoning-gym datasets whose answers are words or lists).")
@@ -139,6 +151,15 @@ class EnvConfig(Section):
         description="Env-specific options of a non-reasoning-gym env, e.g. textworld's size, gems, locked_doors, "
                     "distractors, loops, max_steps (see sao/envs/textworld.py).")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits of generated code runs (humaneval).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _options_over_dataset_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            dataset, options = data.get("dataset", DEFAULT_DATASET), data.get("dataset_options", {})
+            if isinstance(dataset, str) and isinstance(options, dict):
+                data = {**data, "dataset_options": {**DATASET_DEFAULT_OPTIONS.get(dataset, {}), **options}}
+        return data
 
     @model_validator(mode="before")
     @classmethod

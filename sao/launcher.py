@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sao.config import SaoConfig, to_toml
-from sao.envs.registry import env_class
+from sao.envs.registry import check_env_config
 from sao.feeder import Feeder, copies_per_task
 from sao.report import build_summary, summary_table, write_report
 from sao.run_dir import RunDir
@@ -61,7 +61,7 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
 
 def run(config: SaoConfig, console: Console) -> dict:
     """The whole story of a run: broker, topics, trainer, samplers; feed and watch; summary and report."""
-    env_class(config.env.name)  # a bad env.name fails here, before any process starts
+    check_env_config(config.env)  # a bad env.name or dataset option fails here, before any process starts
     run_dir = new_run_dir(config)
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     run_dir.config.write_text(to_toml(config))

@@ -18,7 +18,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from sao.config import EnvConfig
+from sao.config import ConfigError, EnvConfig
 from sao.envs.base import Feedback, GenerationDefaults, InvalidTask, check_split
 from sao.schema import Task
 
@@ -52,6 +52,33 @@ def _dataset(name: str, size: int, seed: int, options: tuple[tuple[str, Any], ..
 
     kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in options}
     return reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+
+
+def check_dataset_options(name: str, options: dict[str, Any]) -> None:
+    """Refuse (ConfigError, one line naming the field) a dataset reasoning-gym lacks, an option its config class
+    does not have, or a value that class refuses: before any process starts, not in a sampler's traceback."""
+    import dataclasses
+    import difflib
+
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        near = difflib.get_close_matches(name, DATASETS, n=3)
+        raise ConfigError(f"env.dataset {name!r} is not a reasoning-gym dataset"
+                          + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    config_class = DATASETS[name][1]
+    known = sorted(field.name for field in dataclasses.fields(config_class) if field.name not in ("seed", "size"))
+    for option in options:
+        if option not in known:
+            near = difflib.get_close_matches(option, known, n=1)
+            raise ConfigError(f"env.dataset_options.{option}: {name} has no such option"
+                              + (f" (did you mean {near[0]}?)" if near else "") + f"; its options: {', '.join(known)}")
+    kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in options.items()}
+    try:
+        dataset_config = config_class(**kwargs, size=_BLOCK)
+        dataset_config.validate()
+    except (AssertionError, TypeError, ValueError) as err:
+        raise ConfigError(f"env.dataset_options of {name} {options}: {err or type(err).__name__}") from err
 
 
 def _options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -179,6 +206,11 @@ class ArithmeticEnv:
     def from_config(cls, config: EnvConfig) -> ArithmeticEnv:
         return cls(max_turns=config.max_turns, retry_discount=config.retry_discount,
                    answer_format=config.answer_format, repeat_penalty=config.repeat_penalty)
+
+    @classmethod
+    def check_config(cls, config: EnvConfig) -> None:
+        """Refuse (ConfigError) env.dataset and env.dataset_options that reasoning-gym would refuse."""
+        check_dataset_options(config.dataset, config.dataset_options)
 
     @classmethod
     def make_tasks(cls, config: EnvConfig, count: int, start_index: int = 0, split: str = "train") -> list[Task]:

@@ -63,6 +63,7 @@ class Env(Protocol):
     move in a longer task: `trainer.turn_credit = "auto"` then credits each turn with its own reward.
     Held-out scoring asks the class for an episode's success in [0, 1]: `success(spec, step_rewards)` if it
     defines one, else the first turn's (`first_attempt_success`), right for envs whose turns are attempts.
+    A class may define `check_config(config)` to refuse bad settings at start (ConfigError naming the field).
     """
 
     name: str

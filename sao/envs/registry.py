@@ -51,6 +51,14 @@ def env_class(name: str) -> type:
     return cls
 
 
+def check_env_config(config: EnvConfig) -> None:
+    """Refuse at start what the env would refuse later: a bad env.name (UnknownEnv), or settings its class's
+    `check_config` refuses (ConfigError, naming the field), for the envs that define one."""
+    check = getattr(env_class(config.name), "check_config", None)
+    if check is not None:
+        check(config)
+
+
 def make_env(config: EnvConfig) -> Env:
     return env_class(config.name).from_config(config)
 
@@ -103,6 +111,11 @@ def turns_are_attempts(name: str) -> bool:
 def episode_success(name: str) -> Callable[[dict[str, Any], list[float]], float]:
     """How env `name` scores a held-out episode in [0, 1]: its class's `success`, else the first turn's reward."""
     return getattr(env_class(name), "success", first_attempt_success)
+
+
+def task_skills(name: str) -> Callable[[dict[str, Any]], set[str]]:
+    """How env `name` tags a task with the skills it exercises: its class's `skills(spec)`, else no skill."""
+    return getattr(env_class(name), "skills", lambda spec: set())
 
 
 def scores_first_turn_only(name: str) -> bool:

@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from sao.config import EnvConfig
+from sao.config import ConfigError, EnvConfig, load_config
 from sao.envs import arithmetic
 from sao.envs.arithmetic import is_held_out, last_number, question_digest
-from sao.envs.registry import UnknownEnv, env_class, make_env, make_tasks
+from sao.envs.registry import UnknownEnv, check_env_config, env_class, make_env, make_tasks
 
 
 @pytest.mark.parametrize("text, number", [("The answer is 12.", "12"), ("-3", "-3"), ("1 + 2 = 3", "3"),
@@ -104,6 +104,44 @@ def test_any_reasoning_gym_dataset_with_last_line_answers():
     assert not env.step("I am not sure.").done  # wrong: feedback and another try
     feedback = env.step(f"Reversed:\n{word[::-1]}")
     assert feedback.done and feedback.reward == pytest.approx(0.5)  # right at the second attempt
+
+
+@pytest.mark.parametrize("dataset, options", [("chain_sum", {"max_terms": 3}), ("products", {}), ("gcd", {})])
+def test_other_numeric_datasets_start_from_their_own_defaults_and_score(dataset, options):
+    # basic_arithmetic's default options are not passed on: each dataset starts from reasoning-gym's own.
+    config = load_config(overrides=[f'env.dataset="{dataset}"']
+                         + [f"env.dataset_options.{key}={value}" for key, value in options.items()], environ={}).env
+    assert config.dataset_options == options
+    check_env_config(config)
+    tasks = make_tasks(config, 3) + make_tasks(config, 1, split="eval")
+    assert len({task.task_id for task in tasks}) == 4 and all(dataset in task.task_id for task in tasks)
+    env = make_env(config)
+    env.reset(tasks[0].spec)
+    answer = env._entry["answer"]
+    first = env.step(f"{answer}1")
+    assert not first.done and first.reward == 0
+    feedback = env.step(f"It is {answer}")
+    assert feedback.done and feedback.reward == pytest.approx(config.retry_discount)
+
+
+def test_one_dataset_option_set_keeps_the_others():
+    default = load_config(environ={}).env.dataset_options
+    changed = load_config(overrides=["env.dataset_options.max_terms=3"], environ={}).env.dataset_options
+    assert changed == {**default, "max_terms": 3} and default["max_terms"] != 3
+    table = load_config(overrides=["env.dataset_options={ max_digits = 2 }"], environ={}).env.dataset_options
+    assert table == {**default, "max_digits": 2}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['env.dataset="chain_sums"'], r"env\.dataset 'chain_sums' is not a reasoning-gym dataset \(did you mean chain_sum"),
+    (['env.dataset="chain_sum"', "env.dataset_options.allow_parentheses=true"],
+     r"env\.dataset_options\.allow_parentheses: chain_sum has no such option"),
+    (["env.dataset_options.max_term=3"], r"env\.dataset_options\.max_term: basic_arithmetic .*did you mean max_terms"),
+    (["env.dataset_options.min_terms=0"], r"env\.dataset_options of basic_arithmetic .*min_terms must be positive"),
+])
+def test_a_dataset_or_option_reasoning_gym_refuses_is_named_at_start(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_env_config(load_config(overrides=overrides, environ={}).env)
 
 
 # --- the held-out partition --------------------------------------------------------------------
