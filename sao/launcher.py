@@ -26,7 +26,7 @@ from sao.config import SaoConfig, to_toml
 from sao.envs.registry import check_env_config
 from sao.feeder import Feeder, copies_per_task
 from sao.report import build_summary, summary_table, write_report
-from sao.run_dir import RunDir
+from sao.run_dir import RUNS, RunDir
 from sao.status import (
     TrainerProgress,
     own_cpu_seconds,
@@ -50,7 +50,7 @@ class RunFailed(RuntimeError):
 def new_run_dir(config: SaoConfig) -> RunDir:
     if config.run.run_dir:
         return RunDir(Path(config.run.run_dir))
-    return RunDir(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return RunDir(RUNS / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
@@ -142,6 +142,7 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
         console.print(f"kept by shadow validation: v{kept}, held-out first-try success {result['heldout_kept']:.3f}, "
                       f"gain {result['heldout_kept_gain']:+.3f} ± {result['heldout_kept_gain_stderr'] or 0:.3f} "
                       f"over the base (RUN_DIR/policy/best)")
+    _print_skill(result, final, kept, console)
     base = _rate(result["heldout_second_try_base"], result["heldout_second_try_base_stderr"],
                  result["heldout_second_try_base_n"])
     final_rate = _rate(result["heldout_second_try_final"], result["heldout_second_try_final_stderr"],
@@ -153,6 +154,21 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
         console.print(f"held-out second attempts with no new answer (penalised): v0 "
                       f"{_rate(base_penalised, None, result['heldout_second_try_base_n'])} -> v{final} "
                       f"{_rate(final_penalised, None, result['heldout_second_try_n'])}")
+
+
+def _print_skill(result: dict, final: int, kept: int | None, console: Console) -> None:
+    """The held-out line on the skill the base model does worst on, with the format-only ceiling beside it."""
+    skill = result.get("heldout_skill")
+    if not skill:
+        return
+    base = _rate(result["heldout_skill_base"], result["heldout_skill_base_stderr"], result["heldout_skill_n"])
+    line = (f"held-out on skill {skill}: v0 {base} -> v{final} {result['heldout_skill_final']:.3f}, "
+            f"gain {result['heldout_skill_final_gain']:+.3f} ± "
+            f"{result['heldout_skill_final_gain_stderr'] or 0:.3f}")
+    if kept is not None and kept != final and result.get("heldout_skill_kept") is not None:
+        line += (f"; kept v{kept} {result['heldout_skill_kept']:.3f}, gain {result['heldout_skill_kept_gain']:+.3f} ± "
+                 f"{result['heldout_skill_kept_gain_stderr'] or 0:.3f}")
+    console.print(line + f"; format-only ceiling {result['heldout_format_ceiling']:.3f} (share of tasks without it)")
 
 
 def _kept_version(run_dir: RunDir) -> int | None:

@@ -274,6 +274,24 @@ TRAINER_ROLLBACKS = Counter(
     "sao_trainer_rollbacks_total", "Times the trainer restored the best version's weights and optimizer state.")
 
 
+# --- the held-out comparison that ends `sao run` (sao/sampler/evaluation.py; exported by the launcher) ---------
+HELDOUT_SKILL_SUCCESS = Gauge(
+    "sao_heldout_skill_success", "Held-out comparison: greedy first-try success on the tasks the env tags with a "
+                                 "skill; model=base|final|kept.", ["model", "skill"])
+HELDOUT_FORMAT_CEILING = Gauge(
+    "sao_heldout_format_ceiling", "Held-out comparison: share of the judged tasks without the skill the base model "
+                                  "does worst on (the most that fixing the reply's form can reach).", ["skill"])
+
+
+def record_heldout_skills(figures: dict[str, dict], ceiling: float | None, headline: str | None) -> None:
+    for skill, row in figures.items():
+        for model in ("base", "final", "kept"):
+            if row.get(model) is not None:
+                HELDOUT_SKILL_SUCCESS.labels(model=model, skill=skill).set(row[model])
+    if headline is not None and ceiling is not None:
+        HELDOUT_FORMAT_CEILING.labels(skill=headline).set(ceiling)
+
+
 def record_shadow_score(version: int, success: float, best: int | None) -> None:
     POLICY_HELDOUT_SUCCESS.labels(version=str(version)).set(success)
     if best is not None:

@@ -85,6 +85,12 @@ KEPT_KEYS = ("kept_version", "heldout_kept", "heldout_kept_gain", "heldout_kept_
 SECOND_TRY_KEYS = ("heldout_second_try_base", "heldout_second_try_base_stderr", "heldout_second_try_base_n",
                    "heldout_second_try_final", "heldout_second_try_final_stderr", "heldout_second_try_n",
                    "heldout_second_try_penalised_base", "heldout_second_try_penalised_final")
+# Held-out success on the skill the base model does worst on (sao/sampler/skills.py), paired like the whole, and
+# the format-only ceiling: the share of judged tasks without that skill.
+SKILL_KEYS = ("heldout_skill", "heldout_skill_n", "heldout_skill_base", "heldout_skill_base_stderr",
+              "heldout_skill_final", "heldout_skill_final_stderr", "heldout_skill_final_gain",
+              "heldout_skill_final_gain_stderr", "heldout_skill_kept", "heldout_skill_kept_stderr",
+              "heldout_skill_kept_gain", "heldout_skill_kept_gain_stderr", "heldout_format_ceiling", "heldout_skills")
 
 
 def reward_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
@@ -129,7 +135,7 @@ def _heldout_figures(layout: RunDir) -> dict[str, Any]:
         result = json.loads(layout.heldout.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         result = {}
-    return {key: result.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS + KEPT_KEYS}
+    return {key: result.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS + KEPT_KEYS + SKILL_KEYS}
 
 
 def shadow_figures(trainer: dict[str, Any]) -> dict[str, Any]:
@@ -376,6 +382,31 @@ def _heldout_sentence(summary: dict[str, Any]) -> str:
             "randomness: compare seeds (benchmarks/learning.py) before trusting a small gain." + _kept_sentence(summary))
 
 
+def _skill_lines(summary: dict[str, Any]) -> list[str]:
+    """Held-out success by skill: a sentence on the headline skill and the format-only ceiling, then a table."""
+    skill, skills = summary.get("heldout_skill"), summary.get("heldout_skills")
+    if not skill or not isinstance(skills, dict):
+        return []
+    kept = any(row.get("kept") is not None for row in skills.values())
+    text = (f"The skill the base model does worst on is `{skill}` (n={summary.get('heldout_skill_n')}): "
+            f"{_fmt(summary.get('heldout_skill_base'))} for the base model, "
+            f"{_fmt(summary.get('heldout_skill_final'))} for the final version (a paired gain of "
+            f"{_fmt(summary.get('heldout_skill_final_gain'))} ± {_fmt(summary.get('heldout_skill_final_gain_stderr'))})"
+            + (f", {_fmt(summary.get('heldout_skill_kept'))} for the kept one" if kept else "")
+            + f". Format-only ceiling {_fmt(summary.get('heldout_format_ceiling'))}: the success of a model that "
+            f"gets every task without `{skill}` right and every one with it wrong, the most that fixing the "
+            "reply's form can reach while the skill is not learned.")
+    versions = ["base", "final", *(["kept"] if kept else [])]
+
+    def cells(row: dict[str, Any]) -> list[str]:
+        return [f"{_fmt(row.get(v))} ± {_fmt(row.get(f'{v}_stderr'))}" for v in versions] + [
+            f"{_fmt(row.get(f'{v}_gain'))} ± {_fmt(row.get(f'{v}_gain_stderr'))}" for v in versions[1:]]
+
+    header = ["skill", "n", *versions, *[f"{v} - base" for v in versions[1:]]]
+    return [text, "", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1),
+            *[f"| {name} | {row.get('n')} | " + " | ".join(cells(row)) + " |" for name, row in skills.items()], ""]
+
+
 def _kept_sentence(summary: dict[str, Any]) -> str:
     """What shadow validation kept, and whether it had to roll back."""
     best = summary.get("shadow_best")
@@ -467,6 +498,7 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         "",
         _heldout_sentence(summary),
         "",
+        *_skill_lines(summary),
         _second_try_sentence(summary),
         "",
         "![reward](plots/reward.png)",

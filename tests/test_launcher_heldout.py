@@ -36,3 +36,12 @@ def test_no_penalised_line_when_the_env_penalised_nothing(tmp_path, monkeypatch)
     text = _printed(tmp_path, monkeypatch, heldout_second_try_penalised_base=0.0,
                     heldout_second_try_penalised_final=None)
     assert "second-try success" in text and "no new answer" not in text
+
+
+def test_the_skill_line_names_the_skill_its_gain_and_the_format_ceiling(tmp_path, monkeypatch):
+    text = _printed(tmp_path, monkeypatch, heldout_second_try_penalised_base=0.0, heldout_second_try_penalised_final=None,
+                    heldout_skill="answer<0", heldout_skill_n=5, heldout_skill_base=0.0, heldout_skill_base_stderr=0.0,
+                    heldout_skill_final=0.4, heldout_skill_final_gain=0.4, heldout_skill_final_gain_stderr=0.245,
+                    heldout_format_ceiling=0.5)
+    assert ("held-out on skill answer<0: v0 0.000 ± 0.000 (n=5) -> v3 0.400, gain +0.400 ± 0.245; "
+            "format-only ceiling 0.500") in text

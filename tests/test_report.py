@@ -142,3 +142,23 @@ def test_the_report_names_the_kept_version_even_when_base_and_final_answer_alike
                    heldout_kept_gain=0.125, heldout_kept_gain_stderr=0.05)
     text = write_report(tmp_path, summary).read_text()
     assert "Shadow validation kept v4" in text and "a paired gain of 0.125" in text
+
+
+def test_the_summary_and_report_carry_the_skill_figure_and_the_format_ceiling(tmp_path):
+    _synthetic_run(tmp_path)
+    (tmp_path / "eval").mkdir()
+    skills = {"answer<0": {"n": 4, "base": 0.0, "base_stderr": 0.0, "final": 0.5, "final_stderr": 0.289,
+                           "final_gain": 0.5, "final_gain_stderr": 0.289},
+              "answer>=0": {"n": 12, "base": 0.25, "base_stderr": 0.131, "final": 0.75, "final_stderr": 0.131,
+                            "final_gain": 0.5, "final_gain_stderr": 0.151}}
+    (tmp_path / "eval" / "heldout.json").write_text(json.dumps(
+        {"heldout_base": 0.1875, "heldout_final": 0.6875, "heldout_gain": 0.5, "heldout_gain_stderr": 0.1,
+         "heldout_n": 16, "heldout_skill": "answer<0", "heldout_skills": skills, "heldout_format_ceiling": 0.75,
+         **{f"heldout_skill_{key}": value for key, value in skills["answer<0"].items()}}))
+    summary = build_summary(SaoConfig(), tmp_path, duration_s=1.0)
+    assert summary["heldout_skill"] == "answer<0" and summary["heldout_skill_final_gain"] == 0.5
+    assert summary["heldout_format_ceiling"] == 0.75 and summary["heldout_skills"] == skills
+    text = write_report(tmp_path, summary).read_text()
+    assert "worst on is `answer<0` (n=4): 0 for the base model, 0.5 for the final version" in text
+    assert "Format-only ceiling 0.75" in text
+    assert "| answer>=0 | 12 | 0.25 ± 0.131 | 0.75 ± 0.131 | 0.5 ± 0.151 |" in text

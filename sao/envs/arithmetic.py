@@ -232,6 +232,19 @@ class ArithmeticEnv:
             tasks.append(Task(task_id=task_id, env=cls.name, spec=spec))
         return tasks
 
+    @classmethod
+    def skills(cls, spec: dict[str, Any]) -> set[str]:
+        """The skill a task needs, from the sign of its reference answer: `answer<0` is what the base model lacks on
+        the default domain (a model that only fixes the reply's form gets none of those right); a reference
+        answer that is not a number is tagged with nothing."""
+        check_spec(spec)
+        entry = _dataset(spec["dataset"], spec["size"], spec["seed"], _options_key(spec["options"]))[spec["index"]]
+        try:
+            answer = float(entry["answer"])
+        except (TypeError, ValueError):
+            return set()
+        return {"answer<0"} if answer < 0 else {"answer>=0"}
+
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5, answer_format: str = "last_number",
                  repeat_penalty: float = 0.0):
         self.extract = {"last_number": last_number, "last_line": last_line}[answer_format]

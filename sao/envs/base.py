@@ -63,6 +63,8 @@ class Env(Protocol):
     move in a longer task: `trainer.turn_credit = "auto"` then credits each turn with its own reward.
     Held-out scoring asks the class for an episode's success in [0, 1]: `success(spec, step_rewards)` if it
     defines one, else the first turn's (`first_attempt_success`), right for envs whose turns are attempts.
+    A class may define `skills(spec) -> set[str]`: the skills a task exercises (arithmetic: the sign of the
+    answer), by which held-out success is broken down (sao/sampler/skills.py); without it a task has none.
     A class may define `check_config(config)` to refuse bad settings at start (ConfigError naming the field).
     """
 

@@ -23,9 +23,11 @@ import torch
 from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import episode_success, make_tasks, turns_are_attempts
+from sao.metrics import record_heldout_skills
 from sao.policy.chain import read_version_into
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
+from sao.sampler.skills import skill_figures, tag_tasks
 from sao.schema import Task
 from sao.stats import mean, paired_gain, stderr
 from sao.status import attempt_success
@@ -233,6 +235,8 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
 
     `kept`, the version shadow validation kept as best, is scored too when it is another one, and
     its paired gain over `baseline` reported beside the final version's (`heldout_kept_*`).
+    Success is also broken down by the skills the env tags tasks with (`heldout_skill*`, with the
+    format-only ceiling: sao/sampler/skills.py).
     The base model's scores (baseline 0) come from the cache when it holds them. Tasks on which
     the env failed in any version are left out of the pairing. Writes RUN_DIR/eval/heldout.json.
     """
@@ -257,6 +261,9 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
     gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [final[t]["first_try"] for t in paired])
     reward_gain, reward_stderr = paired_gain([base[t]["reward"] for t in paired], [final[t]["reward"] for t in paired])
     base_second, final_second = second_tries(base, paired), second_tries(final, paired)
+    tags = tag_tasks(config.env.name, [task for task in tasks if task.task_id in set(paired)])
+    by_version = {"base": base, "final": final, **({"kept": kept_view} if kept_view else {})}
+    skills = skill_figures(tags, {name: {t: scores[t]["first_try"] for t in paired} for name, scores in by_version.items()})
     result = {
         "heldout_base": mean([base[t]["first_try"] for t in paired]),
         "heldout_final": mean([final[t]["first_try"] for t in paired]),
@@ -273,10 +280,13 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
         "base_version": baseline, "final_version": version, "tasks": len(tasks), "base_cached": base_cached,
         "base_seconds": base_s, "final_seconds": time.perf_counter() - started - base_s,
         **_kept_figures(kept, base, kept_view, paired),
+        **skills,
         # Per task, so that runs on the same tasks can be compared paired by task.
         "per_task": {t: {"base": base[t], "final": final[t], **({"kept": kept_view[t]} if kept_view else {})}
                      for t in paired},
+        "skills_by_task": tags,
     }
+    record_heldout_skills(skills["heldout_skills"], skills["heldout_format_ceiling"], skills["heldout_skill"])
     out = RunDir(run_dir).heldout
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

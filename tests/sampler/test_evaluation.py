@@ -68,6 +68,13 @@ def test_the_paired_comparison_writes_the_heldout_figures_and_caches_the_base(ti
     assert first["heldout_second_try_base_n"] == first["heldout_second_try_n"] == 4
     assert all(scores["second_try"] == 0.0 for task in first["per_task"].values() for scores in task.values())
     assert json.loads((tmp_path / "eval" / "heldout.json").read_text()) == first
+    # Broken down by the env's skills (the sign of the answer), each with its n; the ceiling is the share without it.
+    skills = first["heldout_skills"]
+    assert sum(row["n"] for row in skills.values()) == 4 and first["heldout_skill"] in skills
+    assert sorted(first["skills_by_task"]) == sorted(first["per_task"])
+    without = sum(first["heldout_skill"] not in tags for tags in first["skills_by_task"].values())
+    assert first["heldout_format_ceiling"] == pytest.approx(without / 4)
+    assert first["heldout_skill_n"] == 4 - without and first["heldout_skill_final_gain"] == 0
     [cached] = (tmp_path / "cache").glob("*.json")
     # A later run reads the base model's scores from the cache (here: doctored, to see them used).
     stored = json.loads(cached.read_text())
