@@ -130,6 +130,7 @@ def _exit_when_broker_gone() -> Iterator[None]:
 def run(config: ConfigOpt = None, set_: SetOpt = None,
         run_dir: RunDirOpt = None,
         num_tasks: Annotated[int | None, typer.Option(help="run.num_tasks")] = None,
+        minutes: Annotated[float | None, typer.Option(help="run.max_minutes: wall-clock budget")] = None,
         samplers: Annotated[int | None, typer.Option(help="sampler.num_samplers")] = None,
         model: Annotated[str | None, typer.Option(
             "--policy-model", "--model", help="policy.model: smollm2-135m-instruct, tiny or an HF model path")] = None,
@@ -138,6 +139,7 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
     """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""
     _setup_logging()
     cfg = _config(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None, "run.num_tasks": num_tasks,
+                                   "run.max_minutes": minutes,
                                    "sampler.num_samplers": samplers, "policy.model": model, "env.name": env,
                                    "broker.bootstrap_servers": bootstrap_servers,
                                    "metrics.launcher_port": metrics_port})

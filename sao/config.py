@@ -553,6 +553,11 @@ class RunConfig(Section):
     timeout_s: float | None = Field(None, gt=0, description="Abort the run after this many seconds of training (the "
                                                             "held-out evaluation after it is not counted); unset = "
                                                             "no limit but run.stall_timeout_s.")
+    max_minutes: float | None = Field(
+        None, gt=0, description="Wall-clock budget from the run's start: then the feeder stops and the trainer is "
+                                "asked to stop after its current step (a clean stop: checkpoint, last published "
+                                "version judged as usual); the run also ends at run.num_tasks, whichever comes "
+                                "first. Unset = no budget. `sao run --minutes N`.")
     stall_timeout_s: float = Field(1800, gt=0, description="Abort the run when nothing was produced, trained or "
                                                            "dead-lettered, and no step or shadow score came, for this "
                                                            "many seconds: a hang, however long a healthy run takes.")

@@ -208,11 +208,14 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
         produced_bar = bars.add_task("produced", total=feeder.total, info="")
         trained_bar = bars.add_task("trained ", total=feeder.total, info="")
         last_progress, progressed_at = None, time.time()
+        over_budget = False
         while True:
             samplers = read_all_status(run_dir.status_dir, "sampler-")
             trainer = read_status(run_dir.status("trainer"))
             progress = TrainerProgress.from_status(trainer)
-            if feeder.top_up(handled=progress.out_of_flight, policy_version=progress.policy_version):
+            over_budget = _over_budget(config, started, trainer, processes["trainer"], over_budget)
+            if not over_budget and feeder.top_up(handled=progress.out_of_flight,
+                                                 policy_version=progress.policy_version):
                 # What the run fed, for `sao audit` to hold against a broker that may have lost it.
                 write_status(run_dir.status("feeder"), {"mode": "sync" if feeder.sync else "async", "fed": feeder.fed,
                                                         **({"releases": feeder.releases} if feeder.sync else {})})
@@ -240,6 +243,20 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
             time.sleep(0.1 if feeder.sync else 0.5)
     if processes["trainer"].returncode != 0:
         raise RunFailed(f"trainer exited with code {processes['trainer'].returncode}; see {run_dir.log('trainer')}")
+
+
+def _over_budget(config: SaoConfig, started: float, trainer: dict, trainer_process: subprocess.Popen,
+                 already: bool) -> bool:
+    """Whether run.max_minutes is spent. Once it is, the feeder stops and the trainer gets SIGTERM, which it takes
+    as a clean stop after its current step; only once it has written progress (its handler is then set)."""
+    if already or config.run.max_minutes is None or time.time() - started < config.run.max_minutes * 60:
+        return already
+    if not trainer:
+        return False
+    log.info("run.max_minutes=%g spent: no more tasks are fed, and the trainer stops after its current step",
+             config.run.max_minutes)
+    trainer_process.send_signal(signal.SIGTERM)
+    return True
 
 
 def _progress(samplers: dict[str, dict], trainer: dict) -> tuple:
