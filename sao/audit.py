@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sao.config import SaoConfig
+from sao.dead_letters import NO_REASON
 from sao.run_dir import RunDir
 from sao.schema import SchemaError, Task, Trajectory, decode
 from sao.status import TrainerProgress, read_status
@@ -105,7 +106,7 @@ def scan_topics(config: SaoConfig, bootstrap: str, timeout: float, quiet_period:
     kinds = {topics.tasks: Task, topics.trajectories: Trajectory}
     for msg in iter_all(bootstrap, topics.dlq, timeout, quiet_period):
         letter = describe_dlq_message(msg)
-        reason, source = letter["reason"] or "no-reason", letter["source_topic"]
+        reason, source = letter["reason"] or NO_REASON, letter["source_topic"]
         tid = _trajectory_id(msg.value(), kinds[source]) if source in kinds else None
         if tid is not None:
             scan.dead_lettered.setdefault(tid, reason)

@@ -22,6 +22,7 @@ import numpy as np
 
 from sao import codec
 from sao.config import MAX_RECALL_TURNS  # checked before a step's list is read: decoding never walks a long one
+from sao.dead_letters import DeadLetterReason
 
 # 2: a trajectory's steps as columns (one token buffer, one log-prob buffer) instead of three arrays per step.
 SCHEMA_VERSION = 2
@@ -45,7 +46,7 @@ class SchemaError(ValueError):
     offending field so the sender knows what to fix.
     """
 
-    def __init__(self, reason: str, field_name: str, message: str):
+    def __init__(self, reason: DeadLetterReason, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.reason = reason
         self.field = field_name
@@ -53,11 +54,11 @@ class SchemaError(ValueError):
 
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
-        raise SchemaError("invalid-field", field_name, message)
+        raise SchemaError(DeadLetterReason.INVALID_FIELD, field_name, message)
 
 
 def _fail(field_name: str, message: str) -> None:
-    raise SchemaError("invalid-field", field_name, message)
+    raise SchemaError(DeadLetterReason.INVALID_FIELD, field_name, message)
 
 
 def pack_array(array: np.ndarray, dtype: type) -> dict[str, Any]:
@@ -553,26 +554,26 @@ def decode(data: bytes | None,
            expected: type[Task] | type[Trajectory] | type[PolicyAnnouncement] | type[WeightsChunk]):
     """Parse and validate msgpack bytes into `expected`; raise SchemaError naming the bad field."""
     if data is None:
-        raise SchemaError("decode-error", "value", "message has no value")
+        raise SchemaError(DeadLetterReason.DECODE_ERROR, "value", "message has no value")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as err:
-        raise SchemaError("decode-error", "value", f"not valid msgpack ({err})") from err
+        raise SchemaError(DeadLetterReason.DECODE_ERROR, "value", f"not valid msgpack ({err})") from err
     if not isinstance(obj, dict):
-        raise SchemaError("decode-error", "value", f"expected a msgpack map, got {type(obj).__name__}")
+        raise SchemaError(DeadLetterReason.DECODE_ERROR, "value", f"expected a msgpack map, got {type(obj).__name__}")
     version = obj.get("schema")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise SchemaError("schema-version", "schema", "missing schema version")
+        raise SchemaError(DeadLetterReason.SCHEMA_VERSION, "schema", "missing schema version")
     if version != SCHEMA_VERSION:
         hint = "; its sender predates one buffer per trajectory, so upgrade the sender" if version == 1 else ""
-        raise SchemaError("schema-version", "schema",
+        raise SchemaError(DeadLetterReason.SCHEMA_VERSION, "schema",
                           f"major version {version} is not supported (this reader speaks {SCHEMA_VERSION}){hint}")
     kind = obj.get("kind")
     if kind != _KIND_OF[expected]:
-        raise SchemaError("wrong-kind", "kind", f"expected {_KIND_OF[expected]!r}, got {kind!r}")
+        raise SchemaError(DeadLetterReason.WRONG_KIND, "kind", f"expected {_KIND_OF[expected]!r}, got {kind!r}")
     try:
         return expected.from_wire(obj)
     except SchemaError:
         raise
     except (KeyError, TypeError, ValueError) as err:
-        raise SchemaError("invalid-field", "value", str(err)) from err
+        raise SchemaError(DeadLetterReason.INVALID_FIELD, "value", str(err)) from err

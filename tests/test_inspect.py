@@ -9,7 +9,6 @@ from rich.console import Console
 
 from sao.inspection import inspect_topic
 from sao.schema import PolicyAnnouncement, encode
-from sao.transport.dlq import DeadLetterQueue
 from sao.transport.kafka import deliver_and_wait, make_producer
 from sao.transport.topics import ensure_topics
 
@@ -55,7 +54,8 @@ def test_a_policy_announcement_with_markup_and_a_huge_version_is_shown_literally
 def test_garbage_on_the_dead_letter_topic_is_shown_literally(config, kafka_bootstrap):
     producer = make_producer(kafka_bootstrap)
     deliver_and_wait(producer, config.topics.dlq, b"\xc1 no headers at all")
-    DeadLetterQueue(producer, config.topics.dlq).send(b"x", "[/bad-reason]", detail="[bold]detail[/] [/unclosed]")
+    producer.produce(config.topics.dlq, value=b"x", headers=[("sao-dlq-reason", b"[/bad-reason]"),  # not sao's writer
+                                                             ("sao-dlq-detail", b"[bold]detail[/] [/unclosed]")])
     producer.produce(config.topics.dlq, value=None, headers=[("sao-dlq-reason", b"\xff\xfe not utf-8"),
                                                              ("sao-source-offset", b"-x")])
     producer.flush(10)

@@ -73,3 +73,22 @@ def test_every_key_of_a_real_task_trajectory_and_announcement_is_in_the_wire_doc
     assert rolled_out.timings and rolled_out.compression and len(rolled_out.steps) > 1  # what the doc must cover
     for message in (task, rolled_out, announcement, chunk):
         assert undocumented(encode(message), doc) == [], f"{type(message).__name__}: keys docs/wire-format.md lacks"
+
+
+def documented_reasons(text: str) -> list[str]:
+    """The codes in the first column of the doc's dead-letter reasons table."""
+    section = text.split("### Dead-letter reasons", 1)[1].split("\n#", 1)[0]
+    return re.findall(r"^\| `([a-z-]+)` \|", section, flags=re.MULTILINE)
+
+
+def test_the_dead_letter_reasons_are_the_wire_doc_s_table_and_each_is_used():
+    from sao.dead_letters import DeadLetterReason
+
+    documented = documented_reasons(WIRE_DOC.read_text())
+    assert len(documented) == len(set(documented)), "a reason is listed twice in docs/wire-format.md"
+    assert set(documented) == {reason.value for reason in DeadLetterReason}, \
+        "docs/wire-format.md's dead-letter reasons and sao/dead_letters.py differ"
+    package = Path(__file__).resolve().parent.parent / "sao"
+    code = "".join(path.read_text() for path in package.rglob("*.py") if path.name != "dead_letters.py")
+    unused = [reason.name for reason in DeadLetterReason if f"DeadLetterReason.{reason.name}" not in code]
+    assert unused == [], f"reasons no writer sends: {unused}"

@@ -1,7 +1,7 @@
 """Call environment code (built-in or a user's plugin) so that its failures end one episode only.
 
 An env that raises, or runs past `env.turn_timeout_s`, turns into `EnvFailure` with a DLQ
-reason ("env-error" or "env-timeout"; "invalid-task" for a spec the env refused as `InvalidTask`);
+reason (env-error or env-timeout; invalid-task for a spec the env refused as `InvalidTask`);
 the sampler dead-letters the task and goes on. The time limit uses SIGALRM, so it interrupts
 Python code in the sampler's main thread; code that runs untrusted programs (e.g. unit tests of
 generated code) must still use its own subprocess limits.
@@ -15,13 +15,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TypeVar
 
+from sao.dead_letters import DeadLetterReason
 from sao.envs.base import InvalidTask
 
 T = TypeVar("T")
 
 
 class EnvFailure(RuntimeError):
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: DeadLetterReason, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
@@ -55,8 +56,9 @@ def call_env(what: str, function: Callable[..., T], *args, timeout_s: float) -> 
         with _time_limit(timeout_s):
             return function(*args)
     except InvalidTask as err:
-        raise EnvFailure("invalid-task", f"{what}: {err}") from err
+        raise EnvFailure(DeadLetterReason.INVALID_TASK, f"{what}: {err}") from err
     except _Timeout:
-        raise EnvFailure("env-timeout", f"{what} ran longer than env.turn_timeout_s={timeout_s:g} s") from None
+        raise EnvFailure(DeadLetterReason.ENV_TIMEOUT,
+                         f"{what} ran longer than env.turn_timeout_s={timeout_s:g} s") from None
     except Exception as err:  # the env is user code: any failure of it ends this episode only
-        raise EnvFailure("env-error", f"{what} raised {type(err).__name__}: {err}") from err
+        raise EnvFailure(DeadLetterReason.ENV_ERROR, f"{what} raised {type(err).__name__}: {err}") from err

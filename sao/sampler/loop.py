@@ -20,6 +20,7 @@ import torch
 from confluent_kafka import KafkaException
 
 from sao.config import SaoConfig
+from sao.dead_letters import DeadLetterReason
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import task_env
 from sao.metrics import (
@@ -226,11 +227,12 @@ class Sampler:
         """The task of `msg`, dead-lettered (SchemaError) before any work if it is too large or for another env."""
         size = len(msg.value() or b"") + len(msg.key() or b"")
         if size > self.config.sampler.max_task_bytes:  # before decoding: the cost of a huge message is in reading it
-            raise SchemaError("too-large", "value", f"{size} bytes (value and key) is over sampler.max_task_bytes "
-                                                    f"({self.config.sampler.max_task_bytes})")
+            raise SchemaError(DeadLetterReason.TOO_LARGE, "value", f"{size} bytes (value and key) is over "
+                              f"sampler.max_task_bytes ({self.config.sampler.max_task_bytes})")
         task = decode(msg.value(), Task)
         if self.env_name is not None and task.env != self.env_name:  # the trainer would dead-letter its trajectory
-            raise SchemaError("wrong-env", "env", f"{task.env[:100]!r} is not this sampler's env ({self.env_name!r})")
+            raise SchemaError(DeadLetterReason.WRONG_ENV, "env",
+                              f"{task.env[:100]!r} is not this sampler's env ({self.env_name!r})")
         return task
 
     def _ready(self, live: list[tuple[LiveEpisode, object]]) -> list[tuple[Task, object]]:
@@ -245,8 +247,9 @@ class Sampler:
             if problem is None:
                 continue
             for task, msg in self.admission.give_up(version):
-                self._dead_letter(msg, "version-not-loaded", f"task {task.task_id}: policy v{version} {problem}; "
-                                                             f"{self.sampler_id} has v{self.policy_version}")
+                self._dead_letter(msg, DeadLetterReason.VERSION_NOT_LOADED,
+                                  f"task {task.task_id}: policy v{version} {problem}; "
+                                  f"{self.sampler_id} has v{self.policy_version}")
                 self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
         return self.admission.release(self.policy_version)
 
@@ -306,8 +309,9 @@ class Sampler:
                 self.outbox.send(value, task.task_id, lambda ack_s: self._delivered(msg, outcome, ack_s))
                 return
             # The producer would refuse it and raise: the task goes to the DLQ instead, and the sampler goes on.
-            self._dead_letter(msg, "too-large", f"task {task.task_id[:100]!r}: its trajectory would be {size} bytes "
-                                                f"with its key, over the broker's message limit ({MAX_MESSAGE_BYTES})")
+            self._dead_letter(msg, DeadLetterReason.TOO_LARGE,
+                              f"task {task.task_id[:100]!r}: its trajectory would be {size} bytes "
+                              f"with its key, over the broker's message limit ({MAX_MESSAGE_BYTES})")
         self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
 
     def _delivered(self, msg, trajectory: Trajectory, ack_s: float) -> None:
@@ -351,7 +355,7 @@ class Sampler:
             # run again there, and the trainer drops the duplicates by trajectory_id.
             log.warning("%s could not commit task offsets: %s", self.sampler_id, err)
 
-    def _dead_letter(self, msg, reason: str, detail: str) -> None:
+    def _dead_letter(self, msg, reason: DeadLetterReason, detail: str) -> None:
         value, key = msg.value(), msg.key()
         if len(value or b"") + len(key or b"") > MAX_MESSAGE_BYTES - _PRODUCE_HEADROOM_BYTES:
             # The producer would refuse it (and raise): keep the why and the where instead.

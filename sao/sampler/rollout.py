@@ -15,6 +15,7 @@ from sao.compression.pipeline import OnlineCompressor
 from sao.compression.semantic import SemanticEncoder, load_encoder
 from sao.compression.temporal import TemporalFilter, load_temporal_filter
 from sao.config import SaoConfig
+from sao.dead_letters import DeadLetterReason
 from sao.envs.base import Env
 from sao.envs.guard import EnvFailure, call_env
 from sao.envs.registry import generation_settings, make_env
@@ -133,8 +134,9 @@ class Roller:
         """Refuse (too-large) a task whose first context is over the bound: a task is untrusted input, and a
         long one costs every sampler that picks it up its memory (attention over the whole context)."""
         if tokens > self.max_prompt_tokens:
-            raise EnvFailure("too-large", f"the task's first context is {tokens} tokens, over {self.max_prompt_tokens} "
-                                          "(sampler.max_prompt_tokens, or the model's context less policy.max_new_tokens)")
+            raise EnvFailure(DeadLetterReason.TOO_LARGE,
+                             f"the task's first context is {tokens} tokens, over {self.max_prompt_tokens} "
+                             "(sampler.max_prompt_tokens, or the model's context less policy.max_new_tokens)")
 
     @classmethod
     def from_config(cls, config: SaoConfig, sampler_id: str, seed: int = 0) -> Roller:
@@ -197,8 +199,9 @@ class Roller:
         (an env's observations are untrusted and can grow): that episode ends there, the batch goes on."""
         if self.max_context is None or turn.positions <= self.max_context:
             return None
-        return EnvFailure("too-large", f"turn {len(episode.steps) + 1}'s context is {turn.positions} positions, over "
-                                       f"{self.max_context} (the model's context less policy.max_new_tokens)")
+        return EnvFailure(DeadLetterReason.TOO_LARGE,
+                          f"turn {len(episode.steps) + 1}'s context is {turn.positions} positions, over "
+                          f"{self.max_context} (the model's context less policy.max_new_tokens)")
 
     def rollout_batch(self, tasks: list[Task], behaviour_version: int, greedy: bool = False,
                       slots: int | None = None) -> list[Trajectory | EnvFailure]:

@@ -28,6 +28,7 @@ from sao import metrics
 from sao.compression.bottleneck import basis_name, describe, memory_width, resolve_bottleneck
 from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig, to_toml
+from sao.dead_letters import DeadLetterReason
 from sao.envs.registry import turn_credit
 from sao.policy.lora import add_lora
 from sao.policy.weights import build_policy, frozen_copy
@@ -346,7 +347,8 @@ class Trainer:
                 metrics.record_skipped_step(outcome.skipped_reason)
         return outcome
 
-    def _dead_letter(self, entries: list[BufferEntry] | None, dead_letters: list[tuple[Trajectory, str, str]]) -> None:
+    def _dead_letter(self, entries: list[BufferEntry] | None,
+                     dead_letters: list[tuple[Trajectory, DeadLetterReason, str]]) -> None:
         """Rank 0: dead-letter what the step could not train on, and drop it from the buffer for good."""
         if not self.is_leader or not dead_letters:
             return

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sao.config import TrainerConfig
+from sao.dead_letters import DeadLetterReason
 from sao.schema import Trajectory
 from sao.trainer.batch import BatchPlan, all_rows, micro_batches, rank_loss
 from sao.trainer.distributed import agreed_max, all_reduce_stats, rank, world_size
@@ -40,17 +41,20 @@ class StepOutcome:
     plan: BatchPlan | None  # what was scored: the batch without the trajectories that raised (None: nothing left)
     stats: LossStats | None
     applied: bool  # the optimizer changed the weights
-    dead_letters: list[tuple[Trajectory, str, str]] = field(default_factory=list)  # (trajectory, reason, detail)
+    # (trajectory, reason, detail) of each trajectory dead-lettered
+    dead_letters: list[tuple[Trajectory, DeadLetterReason, str]] = field(default_factory=list)
     forward_backward_s: float = 0.0
     optimizer_s: float = 0.0
     interrupted: bool = False  # stopped between two passes: nothing applied, the batch is to be trained later
 
     @property
-    def skipped_reason(self) -> str | None:
+    def skipped_reason(self) -> DeadLetterReason | None:
         """Why a scored batch was not applied (non-finite-loss or non-finite-gradient)."""
         if self.applied or self.stats is None:
             return None
-        return "non-finite-loss" if not math.isfinite(self.stats.loss) else "non-finite-gradient"
+        if not math.isfinite(self.stats.loss):
+            return DeadLetterReason.NON_FINITE_LOSS
+        return DeadLetterReason.NON_FINITE_GRADIENT
 
 
 def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], BatchPlan], cfg: TrainerConfig,
@@ -62,7 +66,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     `stop_requested` is asked between forward passes: a stop (SIGTERM) then waits for one pass at
     most, and the step is abandoned with nothing applied.
     """
-    dead_letters: list[tuple[Trajectory, str, str]] = []
+    dead_letters: list[tuple[Trajectory, DeadLetterReason, str]] = []
     while True:
         try:
             outcome = _forward_backward_step(engine, plan, cfg, memory_width, accumulation, stop_requested, base_policy)
@@ -87,7 +91,7 @@ def train_step(engine, plan: BatchPlan, replan: Callable[[list[Trajectory]], Bat
     outcome.dead_letters = dead_letters
     if outcome.skipped_reason:
         detail = (f"the batch's loss was {outcome.stats.loss}; the step was skipped" if
-                  outcome.skipped_reason == "non-finite-loss" else
+                  outcome.skipped_reason == DeadLetterReason.NON_FINITE_LOSS else
                   f"the batch's gradient norm was {engine.get_global_grad_norm()}; the step was skipped")
         outcome.dead_letters += [(t, outcome.skipped_reason, detail) for t in outcome.plan.trajectories]
     elif not math.isfinite(outcome.stats.loss):
@@ -134,7 +138,8 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_w
                        optimizer_s=optimizer_s)
 
 
-def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig, memory_width: int) -> list[tuple[Trajectory, str, str]]:
+def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig,
+                memory_width: int) -> list[tuple[Trajectory, DeadLetterReason, str]]:
     """The trajectories of `plan` that raise when scored alone (forward only), with their errors."""
     failed = []
     for index, trajectory in enumerate(plan.trajectories):
@@ -145,5 +150,5 @@ def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig, memory_width: int) 
         except Exception as err:  # noqa: BLE001 - the error is the finding: it goes to the DLQ with the trajectory
             reset_after_failed_pass(engine)
             log.warning("trajectory %s raises when scored: %s: %s", trajectory.trajectory_id, type(err).__name__, err)
-            failed.append((trajectory, "scoring-error", f"{type(err).__name__}: {err}"[:2000]))
+            failed.append((trajectory, DeadLetterReason.SCORING_ERROR, f"{type(err).__name__}: {err}"[:2000]))
     return failed

@@ -21,6 +21,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Message, TopicPartition
 
+from sao.dead_letters import DeadLetterReason
 from sao.metrics import TRANSPORT_DUPLICATES, record_delivery
 from sao.schema import SchemaError, Trajectory, decode
 from sao.trainer.buffer import BufferEntry
@@ -140,15 +141,17 @@ class TrajectoryStream:
         self.counters.too_stale += 1
         detail = (f"behaviour v{entry.trajectory.behaviour_version} is {staleness} versions behind v{policy_version} "
                   f"(trainer.max_staleness {self.max_staleness})")
-        self.dead_letter_entry(entry, "too-stale", detail, buffered)
+        self.dead_letter_entry(entry, DeadLetterReason.TOO_STALE, detail, buffered)
 
-    def dead_letter_entry(self, entry: BufferEntry, reason: str, detail: str, buffered: bool = True) -> None:
+    def dead_letter_entry(self, entry: BufferEntry, reason: DeadLetterReason, detail: str,
+                          buffered: bool = True) -> None:
         """Dead-letter a decoded trajectory; `buffered` if it had been accepted into the buffer first."""
         if buffered:
             self.counters.dead_lettered_from_buffer += 1
         self.dead_letter(entry.raw, entry.partition, entry.offset, entry.trajectory.task_id, reason, detail)
 
-    def dead_letter(self, value: bytes | None, partition: int, offset: int, key, reason: str, detail: str) -> None:
+    def dead_letter(self, value: bytes | None, partition: int, offset: int, key, reason: DeadLetterReason,
+                    detail: str) -> None:
         self.counters.dead_lettered += 1
         self.dead_lettered_positions.setdefault(partition, set()).add(offset)
         self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1

@@ -17,6 +17,7 @@ import numpy as np
 from torch import nn
 
 from sao.config import SaoConfig
+from sao.dead_letters import DeadLetterReason
 from sao.envs.registry import task_env
 from sao.schema import SchemaError, Trajectory
 
@@ -65,8 +66,8 @@ class TrajectoryValidator:
     def check_size(self, num_bytes: int) -> None:
         """Before decoding: a message over `trainer.max_trajectory_bytes` is dead-lettered unread."""
         if num_bytes > self.max_bytes:
-            raise SchemaError("too-large", "value", f"{num_bytes} bytes is over trainer.max_trajectory_bytes "
-                                                    f"({self.max_bytes})")
+            raise SchemaError(DeadLetterReason.TOO_LARGE, "value",
+                              f"{num_bytes} bytes is over trainer.max_trajectory_bytes ({self.max_bytes})")
 
     def validate(self, trajectory: Trajectory, policy_version: int) -> None:
         """Raise SchemaError (reason, field) unless this trainer can train on `trajectory` at `policy_version`."""
@@ -80,18 +81,18 @@ class TrajectoryValidator:
 
     def _check_versions_and_settings(self, trajectory: Trajectory, policy_version: int) -> None:
         if trajectory.behaviour_version > policy_version:
-            raise SchemaError("future-version", "behaviour_version",
+            raise SchemaError(DeadLetterReason.FUTURE_VERSION, "behaviour_version",
                               f"v{trajectory.behaviour_version} is newer than this trainer's v{policy_version}: "
                               "no such policy was published")
         _finite(trajectory.created_at, "created_at")
         _finite(trajectory.temperature, "temperature")
         if not MIN_TEMPERATURE <= trajectory.temperature <= MAX_TEMPERATURE:
-            raise SchemaError("out-of-range", "temperature",
+            raise SchemaError(DeadLetterReason.OUT_OF_RANGE, "temperature",
                               f"{trajectory.temperature} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
         for name, table in (("timings", trajectory.timings), ("compression", trajectory.compression)):
             for key, value in table.items():
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise SchemaError("invalid-field", f"{name}.{key}",
+                    raise SchemaError(DeadLetterReason.INVALID_FIELD, f"{name}.{key}",
                                       f"expected a number, got {type(value).__name__}")
                 _finite(value, f"{name}.{key}")
 
@@ -99,16 +100,19 @@ class TrajectoryValidator:
         # Every env name and turn index gets its own running baseline, kept for the whole run: a
         # trajectory of another env, or longer than any sampler makes, would add keys without end.
         if self.env is not None and trajectory.env != self.env:
-            raise SchemaError("wrong-env", "env", f"{trajectory.env!r} is not this run's env ({self.env!r})")
+            raise SchemaError(DeadLetterReason.WRONG_ENV, "env",
+                              f"{trajectory.env!r} is not this run's env ({self.env!r})")
         if self.max_turns is not None and len(trajectory.steps) > self.max_turns:
-            raise SchemaError("out-of-range", "steps", f"{len(trajectory.steps)} steps is over env.max_turns "
-                                                       f"({self.max_turns}): no sampler of this run plays that many")
+            raise SchemaError(DeadLetterReason.OUT_OF_RANGE, "steps",
+                              f"{len(trajectory.steps)} steps is over env.max_turns "
+                              f"({self.max_turns}): no sampler of this run plays that many")
 
     def _check_token_counts(self, trajectory: Trajectory) -> None:
         # What scoring builds is one row per step (sao/policy/context.py), so its cost is the rows' lengths, which
         # the message's array shapes give without touching a token: a byte bound is not a token bound.
         if trajectory.recent_window < 0:
-            raise SchemaError("out-of-range", "recent_window", f"{trajectory.recent_window} is negative")
+            raise SchemaError(DeadLetterReason.OUT_OF_RANGE, "recent_window",
+                              f"{trajectory.recent_window} is negative")
         prompt, window = len(trajectory.prompt_ids), trajectory.recent_window
         pair_lengths: list[int] = []
         total = longest = 0
@@ -118,23 +122,24 @@ class TrajectoryValidator:
             pair = len(step.observation_ids) + len(step.action_ids)
             row = prompt + step.memory_count + recent + pair
             if self.max_positions is not None and row > self.max_positions:
-                raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens (prompt, memory, recalled "
-                                                              f"and recent steps, observation, action) is over the "
-                                                              f"model's {self.max_positions} positions")
+                raise SchemaError(DeadLetterReason.TOO_LARGE, f"steps[{i}]",
+                                  f"its row of {row} tokens (prompt, memory, recalled and recent steps, "
+                                  f"observation, action) is over the model's {self.max_positions} positions")
             if self.max_pass_tokens is not None and row > self.max_pass_tokens:
-                raise SchemaError("too-large", f"steps[{i}]", f"its row of {row} tokens is over the "
-                                                              f"{self.max_pass_tokens} one training pass holds "
-                                                              f"(trainer.micro_batch_tokens)")
+                raise SchemaError(DeadLetterReason.TOO_LARGE, f"steps[{i}]",
+                                  f"its row of {row} tokens is over the {self.max_pass_tokens} one training pass "
+                                  f"holds (trainer.micro_batch_tokens)")
             longest = max(longest, row)
             if self.whole_trajectory_pass and self.max_pass_tokens is not None and \
                     longest * (i + 1) > self.max_pass_tokens:
-                raise SchemaError("too-large", "steps", f"its {i + 1} rows need {longest * (i + 1)} positions in one "
-                                                        f"pass (importance_level = 'sequence'), over "
-                                                        f"trainer.micro_batch_tokens ({self.max_pass_tokens})")
+                raise SchemaError(DeadLetterReason.TOO_LARGE, "steps",
+                                  f"its {i + 1} rows need {longest * (i + 1)} positions in one pass "
+                                  f"(importance_level = 'sequence'), over trainer.micro_batch_tokens "
+                                  f"({self.max_pass_tokens})")
             total += row
             if self.max_tokens is not None and total > self.max_tokens:
-                raise SchemaError("too-large", "steps", f"its rows hold over {self.max_tokens} tokens "
-                                                        f"(trainer.max_trajectory_tokens) by step {i}")
+                raise SchemaError(DeadLetterReason.TOO_LARGE, "steps", f"its rows hold over {self.max_tokens} "
+                                  f"tokens (trainer.max_trajectory_tokens) by step {i}")
             pair_lengths.append(pair)
 
     def _check_spans(self, trajectory: Trajectory) -> None:
@@ -149,10 +154,10 @@ class TrajectoryValidator:
             return
         for k, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist())):
             if not 0 <= first <= last < steps:
-                raise SchemaError("invalid-memory", f"memory.spans[{k}]",
+                raise SchemaError(DeadLetterReason.INVALID_MEMORY, f"memory.spans[{k}]",
                                   f"({first}, {last}) is not a span of steps 0..{steps - 1} (first <= last)")
             if k and first <= int(lasts[k - 1]):
-                raise SchemaError("invalid-memory", f"memory.spans[{k}]",
+                raise SchemaError(DeadLetterReason.INVALID_MEMORY, f"memory.spans[{k}]",
                                   f"({first}, {last}) does not follow the previous slot's span, which ends at step "
                                   f"{int(lasts[k - 1])}: slots stand for consecutive steps in order")
 
@@ -161,12 +166,12 @@ class TrajectoryValidator:
         if not len(memory.vectors):
             return  # no slot: nothing coded in any width or basis, and the policy saw no memory
         if trajectory.memory_basis != self.memory_basis:
-            raise SchemaError("invalid-memory", "memory_basis",
+            raise SchemaError(DeadLetterReason.INVALID_MEMORY, "memory_basis",
                               f"memory is coded in basis {trajectory.memory_basis or 'none (full width)'!r}; this "
                               f"trainer reads {self.memory_basis or 'none (full width)'!r} "
                               "(compression.bottleneck must be the same in samplers and trainer)")
         if memory.vectors.shape[1] != self.memory_width:
-            raise SchemaError("invalid-memory", "memory.vectors",
+            raise SchemaError(DeadLetterReason.INVALID_MEMORY, "memory.vectors",
                               f"vectors are {memory.vectors.shape[1]} wide; this trainer's memory is "
                               f"{self.memory_width} wide")
         scales = memory.scales
@@ -177,7 +182,8 @@ class TrajectoryValidator:
             _all_finite(scales, "memory.scales")
         _all_finite(memory.reward_sums, "memory.reward_sums")
         if not in_range:
-            raise SchemaError("out-of-range", "memory.scales", f"scales must lie in [0, {MAX_MEMORY_SCALE}]")
+            raise SchemaError(DeadLetterReason.OUT_OF_RANGE, "memory.scales",
+                              f"scales must lie in [0, {MAX_MEMORY_SCALE}]")
 
     def _check_tokens(self, trajectory: Trajectory) -> None:
         # One test over the prompt and one over every step's ids (a decoded trajectory's own buffer: no copy);
@@ -191,7 +197,7 @@ class TrajectoryValidator:
         for name, ids in arrays:
             if len(ids) and not (ids.min() >= 0 and ids.max() < self.vocab_size):
                 bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
-                raise SchemaError("invalid-token", name,
+                raise SchemaError(DeadLetterReason.INVALID_TOKEN, name,
                                   f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def _in_vocabulary(self, ids: np.ndarray) -> bool:
@@ -218,26 +224,26 @@ class TrajectoryValidator:
             sees_earlier_turn = i > 0 and trajectory.recent_window > 0
             context = len(trajectory.prompt_ids) + step.memory_count + len(step.observation_ids)
             if context == 0 and not sees_earlier_turn:
-                raise SchemaError("empty-context", f"steps[{i}].observation_ids",
+                raise SchemaError(DeadLetterReason.EMPTY_CONTEXT, f"steps[{i}].observation_ids",
                                   "prompt, memory and observation are all empty: nothing to condition the action on")
             if abs(step.reward) > self.max_abs_reward:
-                raise SchemaError("out-of-range", f"steps[{i}].reward",
+                raise SchemaError(DeadLetterReason.OUT_OF_RANGE, f"steps[{i}].reward",
                                   f"|{step.reward}| is over trainer.max_abs_reward ({self.max_abs_reward})")
             if not logprobs_in_range and step.behaviour_logprobs.min() < MIN_BEHAVIOUR_LOGPROB:
-                raise SchemaError("out-of-range", f"steps[{i}].behaviour_logprobs",
+                raise SchemaError(DeadLetterReason.OUT_OF_RANGE, f"steps[{i}].behaviour_logprobs",
                                   f"{float(step.behaviour_logprobs.min())} is below {MIN_BEHAVIOUR_LOGPROB}: no "
                                   "sampler draws a token that unlikely")
         if abs(trajectory.total_reward) > self.max_abs_reward:
-            raise SchemaError("out-of-range", "steps", f"total reward {trajectory.total_reward} is over "
-                                                       f"trainer.max_abs_reward ({self.max_abs_reward})")
+            raise SchemaError(DeadLetterReason.OUT_OF_RANGE, "steps", f"total reward {trajectory.total_reward} is over "
+                              f"trainer.max_abs_reward ({self.max_abs_reward})")
 
 
 def _finite(value: float, field_name: str) -> None:
     if not math.isfinite(value):
-        raise SchemaError("non-finite", field_name, f"{value} is not a finite number")
+        raise SchemaError(DeadLetterReason.NON_FINITE, field_name, f"{value} is not a finite number")
 
 
 def _all_finite(values: np.ndarray, field_name: str) -> None:
     # An empty table (a first turn's memory) is finite without a pass over it.
     if values.size and not np.isfinite(values).all():
-        raise SchemaError("non-finite", field_name, "holds NaN or infinity")
+        raise SchemaError(DeadLetterReason.NON_FINITE, field_name, "holds NaN or infinity")

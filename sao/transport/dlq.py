@@ -1,8 +1,9 @@
 """Send messages sao cannot use to a dead-letter topic, unchanged, with the reason in headers.
 
-Nothing is dropped silently: every message a consumer cannot use goes here with a short reason
-code, is logged, and is counted in `sao_dlq_messages_total{reason=...}`. `DeadLetteredTasks`
-reads it back: the task messages samplers dead-lettered, whose trajectories will never come.
+Nothing is dropped silently: every message a consumer cannot use goes here with its reason (a
+`DeadLetterReason`), is logged, and is counted in `sao_dlq_messages_total{reason=...}`.
+`DeadLetteredTasks` reads it back: the task messages samplers dead-lettered, whose trajectories
+will never come.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
+from sao.dead_letters import NO_REASON, DeadLetterReason
 from sao.metrics import DLQ_MESSAGES
 from sao.schema import SchemaError, Task, Trajectory, decode
 from sao.transport.kafka import make_consumer
@@ -40,7 +42,7 @@ class DeadLetterQueue:
     def send(
         self,
         value: bytes | None,
-        reason: str,
+        reason: DeadLetterReason,
         *,
         source_topic: str | None = None,
         partition: int | None = None,
@@ -48,7 +50,10 @@ class DeadLetterQueue:
         key: bytes | str | None = None,
         detail: str = "",
     ) -> None:
-        """Queue `value` for the dead-letter topic; `reason` is a short code like "decode-error"."""
+        """Queue `value` for the dead-letter topic, saying why (`reason`) and what was wrong (`detail`).
+
+        A reason outside the vocabulary raises ValueError: readers and docs know only those codes."""
+        reason = DeadLetterReason(reason)
         headers = _headers(reason, detail, source_topic, partition, offset)
         log.warning(
             "Dead-lettering a message from %s[%s]@%s to %s: %s %s",
@@ -187,7 +192,7 @@ class DeadLetteredTasks:
         where = (letter["source_partition"], letter["source_offset"])
         if letter["source_topic"] != self.tasks_topic or None in where or where in self.letters:
             return  # not a task (a trajectory the trainer dead-lettered counts there), not saying where from, or counted
-        self.letters[where] = (_task_trajectory_id(msg.value()), letter["reason"] or "no-reason")
+        self.letters[where] = (_task_trajectory_id(msg.value()), letter["reason"] or NO_REASON)
 
 
 def _task_trajectory_id(value: bytes | None) -> str | None:

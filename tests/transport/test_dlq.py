@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client import REGISTRY
 
 from sao.schema import Task, Trajectory, encode
@@ -14,6 +15,15 @@ from sao.transport.topics import ensure_topics
 
 def _dlq_count(reason: str) -> float:
     return REGISTRY.get_sample_value("sao_dlq_messages_total", {"reason": reason}) or 0.0
+
+
+def test_a_reason_outside_the_vocabulary_is_refused_before_anything_is_sent() -> None:
+    class NoProducer:  # reached only if the reason passed
+        def produce(self, *args, **kwargs):
+            raise AssertionError("produced a dead letter with an unknown reason")
+
+    with pytest.raises(ValueError, match="not-a-reason"):
+        DeadLetterQueue(NoProducer(), "t").send(b"x", "not-a-reason")
 
 
 def test_dead_letters_keep_bytes_and_say_why(kafka_bootstrap: str, unique_topic_prefix: str) -> None:
