@@ -1,10 +1,11 @@
 """Replay buffer: consumed trajectories wait here until a batch takes them.
 
-Entries are sharded by Kafka partition so the buffer knows, for each partition, the lowest
-offset still needed: that offset is what the trainer may commit and checkpoint. Nothing below it
-is still needed, and nothing above it is trained twice after a resume (positions already
-trained above it are remembered). Sampling is oldest-first by default. With
-`priority_exponent > 0` entries are drawn in proportion to
+Entries are kept per Kafka partition, keyed by offset, so the buffer knows for each partition the
+lowest offset it still holds (`low_water_marks`): what the trainer may commit and checkpoint.
+Nothing below it is still needed; a trajectory above it that was trained already is not trained
+again after a resume, since the checkpoint keeps the trained trajectory ids. Batches are taken
+oldest first by default: by each trajectory's `created_at` (when its sampler made it), not by
+offset or arrival. With `priority_exponent > 0` entries are drawn in proportion to
 (freshness_decay ** staleness * (|advantage| + eps)) ** exponent. With `max_reuse > 1` an entry
 stays until it has been trained on that many times.
 """
@@ -43,7 +44,7 @@ class ReplayBuffer:
         self.shards.setdefault(entry.partition, OrderedDict())[entry.offset] = entry
 
     def entries(self) -> list[BufferEntry]:
-        """All entries, oldest first (by arrival across partitions, approximated by creation time)."""
+        """All entries, oldest first by `created_at` (then partition and offset), across partitions."""
         return sorted((e for shard in self.shards.values() for e in shard.values()),
                       key=lambda e: (e.trajectory.created_at, e.partition, e.offset))
 
@@ -74,7 +75,7 @@ class ReplayBuffer:
             self.add(entry)
 
     def take_groups(self, groups: int, group_size: int, allow_fewer: bool = False) -> list[BufferEntry]:
-        """`groups` whole groups (all `group_size` copies of a task), in the order groups completed.
+        """`groups` whole groups (all `group_size` copies of a task), oldest first by each group's first `created_at`.
 
         Takes nothing unless that many groups are complete, or `allow_fewer` is set.
         """

@@ -23,7 +23,7 @@ from sao.transport.health import BrokerWatch, client_log
 
 log = logging.getLogger(__name__)
 
-# Largest message sao sends (a long trajectory; weights never travel over Kafka, only their announcement).
+# Largest message sao sends: a long trajectory (a weights chunk, with policy.transport = 'kafka', is far smaller).
 # Real Kafka also needs the topic's `max.message.bytes` raised to match; `ensure_topics` does that.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Record-batch framing and headers on top of the payload.
@@ -63,7 +63,7 @@ def producer_config(bootstrap: str, **overrides: Any) -> dict[str, Any]:
         "message.max.bytes": MAX_MESSAGE_BYTES,
         # A few ms of batching costs little latency; the trainer waits on whole batches anyway.
         "linger.ms": 5,
-        # sao sends messages uncompressed; weights never travel over Kafka (only their announcement does).
+        # sao sends every message uncompressed: trajectories, announcements and weights chunks alike.
         "compression.type": "none",
     }
     config.update(overrides)
