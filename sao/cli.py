@@ -46,7 +46,8 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any knob: section.knob=value.")]
 BootstrapOpt = Annotated[str | None, typer.Option(help="Kafka bootstrap servers (default: broker.bootstrap_servers).")]
 RunDirOpt = Annotated[Path | None, typer.Option(help="Run directory (logs, weights, checkpoints, summary).")]
-MetricsPortOpt = Annotated[int | None, typer.Option(help="Port of this process's /metrics; 0 disables it.")]
+MetricsPortOpt = Annotated[int | None, typer.Option(min=0, max=65535,
+                                                    help="Port of this process's /metrics; 0 disables it.")]
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -106,12 +107,56 @@ def _serve_metrics(config: SaoConfig, port: int, role: str) -> None:
 
 
 def _bootstrap(config: SaoConfig, flag: str | None) -> str:
+    """The broker address to use, once a broker answers there within broker.connect_timeout_s; else exit 2."""
     bootstrap = flag or config.broker.bootstrap_servers
     if not bootstrap:
         console.print("[red]no broker:[/] pass --bootstrap-servers or set broker.bootstrap_servers "
                       "(or start one with `sao broker start`)")
         raise typer.Exit(2)
+    from sao.transport.broker import BrokerUnavailable, wait_until_ready
+
+    try:
+        wait_until_ready(bootstrap, config.broker.connect_timeout_s)
+    except BrokerUnavailable as err:
+        console.print(f"[red]no broker answers at {escape(bootstrap)}[/] within broker.connect_timeout_s = "
+                      f"{config.broker.connect_timeout_s:g} s: start one (`sao broker start`) or pass the right "
+                      "address (--bootstrap-servers or broker.bootstrap_servers)", soft_wrap=True)
+        raise typer.Exit(2) from err
     return bootstrap
+
+
+def _run_dir(flag: Path | None, check: bool = True) -> Path:
+    """--run-dir where given (with `check`, refused unless a run wrote there), else the newest run under runs/."""
+    from sao.run_dir import RUNS, newest_run
+
+    if flag is None:
+        newest = newest_run()
+        if newest is None:
+            console.print(f"[red]no run under {RUNS}/:[/] pass --run-dir (a folder `sao run` or `sao trainer` wrote)")
+            raise typer.Exit(2)
+        console.print(f"run directory: {escape(str(newest.root))} (the newest under {RUNS}/; --run-dir picks another)",
+                      soft_wrap=True)
+        return newest.root
+    if check and not RunDir(flag).holds_run():
+        why = "it does not exist" if not flag.exists() else "no config.toml, status/, trained.jsonl or policy/ in it"
+        console.print(f"[red]--run-dir {escape(str(flag))} holds no run[/] ({why}): pass a folder `sao run` or "
+                      "`sao trainer` wrote", soft_wrap=True)
+        raise typer.Exit(2)
+    return flag
+
+
+@contextmanager
+def _exit_when_broker_fails(bootstrap: str) -> Iterator[None]:
+    """A broker that stops answering mid-command ends it with one line naming the address, exit code 3."""
+    from confluent_kafka import KafkaException
+
+    from sao.feeder import TasksNotAcknowledged
+
+    try:
+        yield
+    except (KafkaException, TasksNotAcknowledged) as err:
+        console.print(f"[red]the broker at {escape(bootstrap)} failed:[/] {escape(str(err))}", soft_wrap=True)
+        raise typer.Exit(3) from err
 
 
 @contextmanager
@@ -144,6 +189,8 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
                                    "broker.bootstrap_servers": bootstrap_servers,
                                    "metrics.launcher_port": metrics_port})
     _check_env(cfg)
+    if cfg.broker.bootstrap_servers:
+        _bootstrap(cfg, None)
     _serve_metrics(cfg, cfg.metrics.launcher_port, "launcher")
     from sao.envs.registry import UnknownEnv
     from sao.feeder import TasksNotAcknowledged
@@ -161,7 +208,7 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
 def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
             sampler_id: Annotated[str, typer.Option(help="Name of this sampler in logs and trajectories.")] = "sampler-0",
             run_dir: RunDirOpt = None,
-            max_tasks: Annotated[int | None, typer.Option(help="Exit after this many tasks.")] = None,
+            max_tasks: Annotated[int | None, typer.Option(min=1, help="Exit after this many tasks.")] = None,
             metrics_port: MetricsPortOpt = None) -> None:
     """Consume tasks, roll out one trajectory each, compress, produce; reload new policies."""
     _setup_logging()
@@ -169,7 +216,6 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     _pin(cfg.sampler.cpu_affinity)
     _serve_metrics(cfg, cfg.metrics.sampler_port, "sampler")
     from sao.run_dir import RunDir
-    from sao.sampler.loop import Sampler
 
     status = RunDir(run_dir).status(sampler_id) if run_dir else None
     if cfg.policy.transport == "kafka":  # weights come from the broker; only the key comes from disk
@@ -189,15 +235,19 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
                           "to the folder the trainer publishes weights into (a shared mount on another machine), or "
                           "use policy.transport = 'kafka'")
             raise typer.Exit(2)
+    bootstrap = _bootstrap(cfg, bootstrap_servers)  # before the model libraries' seconds of imports
+    from sao.sampler.loop import Sampler
+
     with _exit_when_broker_gone():
-        Sampler(cfg, _bootstrap(cfg, bootstrap_servers), sampler_id, status).run(max_tasks)
+        Sampler(cfg, bootstrap, sampler_id, status).run(max_tasks)
 
 
 @app.command()
 def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
             run_dir: Annotated[Path, typer.Option(help="Weights, checkpoints and status go here.")] = Path("runs/trainer"),
             resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint in run-dir.")] = False,
-            expect: Annotated[int | None, typer.Option(help="Exit after this many trajectories are handled.")] = None,
+            expect: Annotated[int | None, typer.Option(
+                min=1, help="Exit after this many trajectories are handled.")] = None,
             metrics_port: MetricsPortOpt = None) -> None:
     """Consume trajectories and train the policy with DeepSpeed ZeRO-3; publish versions."""
     _setup_logging()
@@ -206,23 +256,26 @@ def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     # Rank 0 consumes, and records the all-reduced step figures: it alone speaks for the trainer.
     if int(os.environ.get("RANK", "0")) == 0:
         _serve_metrics(cfg, cfg.metrics.trainer_port, "trainer")
+    bootstrap = _bootstrap(cfg, bootstrap_servers)  # before the model libraries' seconds of imports
     from sao.trainer.loop import Trainer
 
     with _exit_when_broker_gone():
-        Trainer(cfg, _bootstrap(cfg, bootstrap_servers), run_dir, resume=resume).run(expect)
+        Trainer(cfg, bootstrap, run_dir, resume=resume).run(expect)
 
 
 @app.command()
 def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
          num_tasks: Annotated[int | None, typer.Option(help="run.num_tasks")] = None,
-         start_index: Annotated[int, typer.Option(help="First dataset index.")] = 0) -> None:
+         start_index: Annotated[int, typer.Option(min=0, help="First position of the train split.")] = 0) -> None:
     """Send tasks to the tasks topic."""
     _setup_logging()
     cfg = _config(config, set_, **{"run.num_tasks": num_tasks})
     _check_env(cfg)
+    bootstrap = _bootstrap(cfg, bootstrap_servers)
     from sao.feeder import feed_tasks
 
-    sent = feed_tasks(cfg, _bootstrap(cfg, bootstrap_servers), cfg.run.num_tasks, start_index)
+    with _exit_when_broker_fails(bootstrap):
+        sent = feed_tasks(cfg, bootstrap, cfg.run.num_tasks, start_index)
     console.print(f"fed {sent} tasks to {cfg.topics.tasks}")
 
 
@@ -233,7 +286,9 @@ def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Boo
     from sao.transport.topics import ensure_topics, topic_partitions
 
     wanted = topic_partitions(cfg)
-    ensure_topics(_bootstrap(cfg, bootstrap_servers), wanted)
+    bootstrap = _bootstrap(cfg, bootstrap_servers)
+    with _exit_when_broker_fails(bootstrap):
+        ensure_topics(bootstrap, wanted)
     console.print("topics ready: " + ", ".join(f"{name} ({parts})" for name, parts in wanted.items()))
 
 
@@ -241,7 +296,7 @@ StateDirOpt = Annotated[Path, typer.Option(help="Where the detached broker's pid
 
 
 @broker_app.command("start")
-def broker_start(port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1.")] = 9092,
+def broker_start(port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port on 127.0.0.1.")] = 9092,
                  state_dir: StateDirOpt = Path(".sao/broker"),
                  storage: Annotated[str, typer.Option(
                      help="memory: lost when the broker stops. s3: kept on disk under STATE_DIR/s3 by a local S3 "
@@ -292,7 +347,7 @@ def broker_status_cmd(bootstrap_servers: Annotated[str, typer.Option(help="Broke
 @app.command()
 def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | policy")] = "trajectories",
             config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
-            limit: Annotated[int, typer.Option(help="Rows to show at most.")] = 20) -> None:
+            limit: Annotated[int, typer.Option(min=1, help="Rows to show at most.")] = 20) -> None:
     """Show what a topic holds, decoded, as a table."""
     cfg = _config(config, set_)
     from sao.inspection import inspect_topic
@@ -300,7 +355,10 @@ def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | polic
     if what not in ("trajectories", "dlq", "policy"):
         console.print(f"[red]unknown topic kind {what!r}[/]: use trajectories, dlq or policy")
         raise typer.Exit(2)
-    Console().print(inspect_topic(cfg, _bootstrap(cfg, bootstrap_servers), what, limit))
+    bootstrap = _bootstrap(cfg, bootstrap_servers)
+    with _exit_when_broker_fails(bootstrap):
+        table = inspect_topic(cfg, bootstrap, what, limit)
+    Console().print(table)
 
 
 @app.command()
@@ -310,20 +368,24 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
               "--finished/--running", help="Is the run over (then what is in flight counts as lost)? "
                                            "Default: as the trainer's status file says.")] = None,
           json_path: Annotated[Path | None, typer.Option("--json", help="Also write the report here, as JSON.")] = None,
-          read_timeout: Annotated[float, typer.Option(help="Seconds to read each topic at most.")] = 300.0,
-          quiet_s: Annotated[float, typer.Option(help="A topic is read to its end once it stays quiet this long.")] = 2.0,
+          read_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to read each topic at most.")] = 300.0,
+          quiet_s: Annotated[float, typer.Option(
+              min=0.1, help="A topic is read to its end once it stays quiet this long.")] = 2.0,
           ) -> None:
     """Account for every task copy fed: trained once, dead-lettered, in flight, lost, or trained twice.
 
     Exits 1 if anything is lost or trained twice. Reads the topics, so the broker must still hold
     them (`sao run` stops its embedded broker at the end: audit runs on an external one).
     """
+    run_dir = _run_dir(run_dir)
     cfg = _config(config, set_)
     from sao.audit import audit as audit_run
     from sao.audit import report_table, write_json
     from sao.run_dir import RunDir
 
-    report = audit_run(cfg, RunDir(run_dir), _bootstrap(cfg, bootstrap_servers), finished, read_timeout, quiet_s)
+    bootstrap = _bootstrap(cfg, bootstrap_servers)
+    with _exit_when_broker_fails(bootstrap):
+        report = audit_run(cfg, RunDir(run_dir), bootstrap, finished, read_timeout, quiet_s)
     Console().print(report_table(report))
     if json_path is not None:
         write_json(report, json_path)
@@ -334,18 +396,20 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
 
 @app.command("eval")
 def eval_(config: ConfigOpt = None, set_: SetOpt = None,
-          run_dir: Annotated[Path, typer.Option(help="Run directory whose policy/ holds the versions.")] = Path("runs/trainer"),
+          run_dir: Annotated[Path | None, typer.Option(
+              help="Run directory whose policy/ holds the versions; default: the newest under runs/.")] = None,
           version: Annotated[str, typer.Option(
               help="Policy version to score: N (0 = the base model) or `best`, the version shadow validation "
                    "kept (RUN_DIR/shadow/board.json).")] = "0",
-          num_tasks: Annotated[int, typer.Option(help="Distinct held-out tasks to score, at most.")] = 32,
+          num_tasks: Annotated[int, typer.Option(min=1, help="Distinct held-out tasks to score, at most.")] = 32,
           greedy: Annotated[bool, typer.Option(help="Greedy actions (default) or sampled at policy.temperature.")] = True,
           baseline: Annotated[int | None, typer.Option(
-              help="Also score this earlier version (0 = the base model, cached) on the same tasks, greedily, and "
+              min=0, help="Also score this earlier version (0 = the base model, cached) on the same tasks, greedily, and "
                    "report the paired first-try gain; writes RUN_DIR/eval/heldout.json.")] = None,
           ) -> None:
     """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
+    run_dir = _run_dir(run_dir)
     cfg = _config(config, set_)
     _check_env(cfg)
     from sao.policy.weights import WeightsMismatch
@@ -376,8 +440,35 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
 
 
 @app.command()
-def export(run_dir: Annotated[Path, typer.Option(help="Run directory whose policy/ holds the versions.")],
-           out: Annotated[Path, typer.Option(help="Folder to write (new or empty): an HF model folder.")],
+def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose trajectory-log.bin to replay.")],
+           set_: SetOpt = None,
+           out: Annotated[Path | None, typer.Option(
+               help="Write each rebuilt version here; with --set, instead of checking it.")] = None) -> None:
+    """Rebuild every published version from the base weights and the run's trajectory log, no broker; each is
+    checked against the run's state_sha256, and the first difference ends it (exit 1) naming step and tensor."""
+    _setup_logging()
+    from sao.trainer.archive import ArchiveError
+    from sao.trainer.replay import ReplayMismatch
+    from sao.trainer.replay import replay as replay_run
+
+    try:
+        result = replay_run(run_dir, set_, out)
+    except (ConfigError, ArchiveError) as err:
+        console.print(f"[red]cannot replay:[/] {escape(str(err))}", soft_wrap=True)
+        raise typer.Exit(2) from err
+    except ReplayMismatch as err:
+        console.print(f"[red]replay mismatch:[/] {escape(str(err))}", soft_wrap=True)
+        raise typer.Exit(1) from err
+    checked = f"{result.checked} of {result.versions} versions match the run's hashes" if result.checked else \
+        f"{result.versions} versions rebuilt (not checked: another setting)"
+    console.print(f"replayed {result.steps} steps in {result.seconds:.1f} s: {checked}"
+                  + (f"; written to {out}" if out is not None else ""))
+
+
+@app.command()
+def export(out: Annotated[Path, typer.Option(help="Folder to write (new or empty): an HF model folder.")],
+           run_dir: Annotated[Path | None, typer.Option(
+               help="Run directory whose policy/ holds the versions; default: the newest under runs/.")] = None,
            version: Annotated[str, typer.Option(
                help="best (the version shadow validation kept), final (the newest published) or a version "
                     "number (0 = the base model).")] = "best",
@@ -387,6 +478,7 @@ def export(run_dir: Annotated[Path, typer.Option(help="Run directory whose polic
     """Write a published version as a plain Hugging Face model folder: deltas applied, LoRA adapters merged,
     tokenizer included; the memory projector beside it (sao-memory.safetensors)."""
     _setup_logging()
+    run_dir = _run_dir(run_dir)
     if config is None and RunDir(run_dir).config.is_file():
         config = RunDir(run_dir).config
     cfg = _config(config, set_)
@@ -419,9 +511,11 @@ def _version_number(text: str, names: str = "`best`") -> int:
 
 @app.command()
 def shadow(config: ConfigOpt = None, set_: SetOpt = None,
-           run_dir: Annotated[Path, typer.Option(help="The trainer's run directory.")] = Path("runs/trainer")) -> None:
+           run_dir: Annotated[Path | None, typer.Option(
+               help="The trainer's run directory; default: the newest under runs/.")] = None) -> None:
     """Score the policy versions the trainer asks for on the validation slice (the trainer starts it)."""
     _setup_logging()
+    run_dir = _run_dir(run_dir, check=False)  # the trainer starts it before its run folder may hold anything
     cfg = _config(config, set_)
     from sao.sampler.shadow import serve
 

@@ -63,6 +63,10 @@ class BrokerConfig(Section):
     bootstrap_servers: str | None = Field(
         None, description="Kafka bootstrap servers (host:port,...). Unset: `sao run` starts the embedded broker.")
     embedded_port: int = Field(0, ge=0, le=65535, description="Port of the embedded broker; 0 picks a free one.")
+    connect_timeout_s: float = Field(
+        15.0, gt=0, description="How long a command that talks to a given broker (sao feed, topics, inspect, audit, "
+                                "sampler, trainer; sao run with broker.bootstrap_servers set) waits at start for it "
+                                "to answer before it exits (code 2) with one line naming the address. Default 15 s.")
     loss_timeout_s: float = Field(
         60.0, gt=0, description="How long a sampler or the trainer keeps retrying an unreachable broker before it "
                                 "exits (code 3) naming what it held; a broker that comes back as another cluster "

@@ -69,6 +69,17 @@ class RunDir:
         except OSError:
             return None
 
+    def holds_run(self) -> bool:
+        """Whether a run wrote here: `sao run`'s config, or a trainer's status, ledger or policy folder."""
+        return any(path.exists() for path in self._run_marks())
+
+    def started_at(self) -> float:
+        """When the run here last wrote one of the files that mark a run (mtime); 0 without one."""
+        return max((path.stat().st_mtime for path in self._run_marks() if path.exists()), default=0.0)
+
+    def _run_marks(self) -> tuple[Path, ...]:
+        return self.config, self.trainer_config, self.status_dir, self.ledger, self.policy_dir
+
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
 
@@ -121,3 +132,13 @@ class RunDir:
     def checkpoint_state(self, tag: str) -> Path:
         """sao's state of checkpoint `tag` (step, offsets, Kafka cluster id), JSON; see sao/trainer/checkpoint.py."""
         return self.checkpoints / tag / "sao_state.json"
+
+
+RUNS = Path("runs")  # where `sao run` puts a run without run.run_dir: runs/<timestamp>
+
+
+def newest_run(runs: Path = RUNS) -> RunDir | None:
+    """The run under `runs` that wrote last (see RunDir.started_at); None where none holds a run."""
+    found = [RunDir(folder) for folder in runs.iterdir() if folder.is_dir()] if runs.is_dir() else []
+    found = [run for run in found if run.holds_run()]
+    return max(found, key=RunDir.started_at, default=None)

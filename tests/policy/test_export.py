@@ -102,6 +102,7 @@ def test_an_unknown_version_name_is_refused_naming_the_ones_export_takes(tmp_pat
 
     from sao.cli import app
 
+    (tmp_path / "policy").mkdir()  # a trainer's run folder
     result = CliRunner().invoke(app, ["export", "--run-dir", str(tmp_path), "--out", str(tmp_path / "out"),
                                       "--version", "latest"])
     assert result.exit_code == 2 and "`best` or `final`" in result.output and "'latest'" in result.output
