@@ -26,7 +26,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from sao.config import ConfigError, SaoConfig, load_config, to_toml
+from sao.config import ConfigError, SaoConfig, load_config, to_described_toml
 from sao.offline.compression_cli import compression_app
 from sao.run_dir import RunDir
 
@@ -566,12 +566,14 @@ def bench(ctx: typer.Context,
 
 
 @config_app.command("show")
-def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Print the effective config as TOML, then the generation settings the env fills in."""
+def config_show(config: ConfigOpt = None, set_: SetOpt = None,
+                describe: Annotated[bool, typer.Option(help="Each knob's description above it.")] = False) -> None:
+    """Print every knob of the effective config as TOML (unset ones as `# knob = (unset)`), then the generation
+    settings the env fills in."""
     from sao.envs.registry import UnknownEnv, generation_settings
 
     cfg = _config(config, set_)
-    typer.echo(to_toml(cfg))
+    typer.echo(to_described_toml(cfg, describe))
     try:
         settings = generation_settings(cfg)
     except UnknownEnv as err:

@@ -8,6 +8,7 @@ section.knob=value` flags < dedicated CLI flags. A wrong value fails at start na
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import Any, Literal
 
@@ -682,7 +683,23 @@ def validate_config(tree: dict[str, Any]) -> SaoConfig:
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(f"config field `{field}`: {first['msg']} (got {first.get('input')!r})") from err
+        hint = _nearest_knobs(first["loc"]) if first["type"] == "extra_forbidden" else ""
+        raise ConfigError(f"config field `{field}`: {first['msg']} (got {first.get('input')!r}){hint}") from err
+
+
+def _nearest_knobs(loc: tuple[Any, ...]) -> str:
+    """' (did you mean a, b?)': the valid names nearest an unknown one at `loc`, from its section's fields."""
+    import difflib
+
+    model: type[BaseModel] = SaoConfig
+    for part in loc[:-1]:
+        inner = model.model_fields.get(str(part))
+        if inner is None or not (isinstance(inner.annotation, type) and issubclass(inner.annotation, BaseModel)):
+            return ""
+        model = inner.annotation
+    prefix = "".join(f"{part}." for part in loc[:-1])
+    near = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(prefix + name for name in near)}?)" if near else ""
 
 
 def to_toml(config: SaoConfig) -> str:
@@ -694,6 +711,25 @@ def to_toml(config: SaoConfig) -> str:
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def to_described_toml(config: SaoConfig | BaseModel, describe: bool = False, table: str = "") -> str:
+    """Every knob of the effective config as TOML (what `sao config show` prints): an unset knob as a comment
+    `# knob = (unset)`, and with `describe` each knob's description above it, as comments."""
+    lines: list[str] = []
+    sections: list[tuple[str, BaseModel]] = []
+    for name, field in type(config).model_fields.items():
+        value = getattr(config, name)
+        if isinstance(value, BaseModel):
+            sections.append((f"{table}.{name}" if table else name, value))
+            continue
+        if describe and field.description:
+            lines += [f"# {line}" for line in textwrap.wrap(field.description, 110, break_on_hyphens=False)]
+        lines.append(f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}")
+    text = (f"[{table}]\n" if table and lines else "") + "".join(f"{line}\n" for line in lines)
+    for name, section in sections:
+        text += ("\n" if text else "") + to_described_toml(section, describe, name)
+    return text
 
 
 def _toml_value(value: Any) -> str:

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from pydantic import BaseModel
 
 from sao.config import ConfigError, load_config, machine_cpu_ids, to_toml
 
@@ -78,6 +79,41 @@ def test_config_show_prints_the_env_filled_generation_settings():
     assert "[policy]" in shown.output and "#   max_new_tokens = 384" in shown.output
     wrong = CliRunner().invoke(app, ["config", "show", "--set", 'env.name="no_such_env"'])
     assert wrong.exit_code != 0 and "env.name" in wrong.output
+
+
+def test_config_show_lists_every_knob_unset_ones_too_and_describes_them_on_request(tmp_path):
+    from typer.testing import CliRunner
+
+    from sao.cli import app
+    from sao.config import SaoConfig
+
+    def knobs(model, prefix=""):
+        for name, field in type(model).model_fields.items():
+            value = getattr(model, name)
+            yield from knobs(value, f"{prefix}{name}.") if isinstance(value, BaseModel) else [(prefix + name, field)]
+
+    every = dict(knobs(SaoConfig()))
+    shown = CliRunner().invoke(app, ["config", "show", "--set", "trainer.max_steps=5"])
+    assert shown.exit_code == 0, shown.output
+    for knob in ("broker.bootstrap_servers", "sampler.policy_dir", "policy.max_new_tokens"):  # unset by default
+        assert f"# {knob.split('.')[1]} = (unset)" in shown.output
+    assert "\nmax_steps = 5\n" in shown.output
+    # What it prints is the config: TOML that loads back to the same effective values.
+    path = tmp_path / "shown.toml"
+    path.write_text(shown.output.split("# effective generation settings")[0])
+    assert load_config(path, environ={}) == load_config(overrides=["trainer.max_steps=5"])  # the suite's SAO__ vars too
+    described = CliRunner().invoke(app, ["config", "show", "--describe"])
+    assert described.exit_code == 0
+    comments = " ".join(" ".join(line[2:].split()) for line in described.output.splitlines() if line.startswith("# "))
+    missing = [knob for knob, field in every.items() if " ".join(field.description.split()) not in comments]
+    assert not missing and len(every) > 100
+
+
+@pytest.mark.parametrize("typo, nearest", [("trainer.batchsize=3", "trainer.batch_size"), ("tranier.batch_size=3", "trainer"),
+                                           ("trainer.lora.rnk=2", "trainer.lora.rank")])
+def test_an_unknown_knob_names_the_nearest_valid_ones(typo, nearest):
+    with pytest.raises(ConfigError, match=rf"did you mean {nearest}\b"):
+        load_config(overrides=[typo], environ={})
 
 
 @pytest.mark.parametrize("section", ["sampler", "trainer"])
