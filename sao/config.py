@@ -423,6 +423,9 @@ class TrainerConfig(Section):
                                   "dead-lettered (too-large) before any tensor is built.")
     sync_every: int = Field(1, ge=1, description="Publish the policy every N optimizer steps.")
     checkpoint_every: int = Field(100, ge=1, description="Save a DeepSpeed checkpoint + offsets every N steps.")
+    keep_trajectory_log: bool = Field(
+        True, description="Keep what the trainer consumed and trained, in order, in RUN_DIR/trajectory-log.bin, so "
+                          "`sao replay` can rebuild every published version from it (docs/design.md, 'Replay').")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: run forever).")
     keep_versions: int = Field(
         3, ge=1, description="Published versions kept on disk (shadow models for sao eval), with the files their "

@@ -13,6 +13,8 @@ RUN_DIR/
   cluster-id             the Kafka cluster id at the run's first start: a resume elsewhere is refused
   checkpoints/           DeepSpeed checkpoints with sao's state (sao/trainer/checkpoint.py)
   trained.jsonl          the ledger: which trajectories each optimizer step trained on
+  trajectory-log.bin     what the trainer consumed, each step's batch, rollbacks and published hashes
+                         (sao/trainer/archive.py): what `sao replay` rebuilds the versions from
   eval/vNNNNNN.json      `sao eval` results (eval/heldout.json: base vs final and kept versions, paired)
   shadow/                shadow validation: request.json (the version to score next), vNNNNNN.json (its
                          scores), board.json (every score, the best version, drops and rollbacks),
@@ -53,6 +55,7 @@ class RunDir:
     checkpoints = _at("checkpoints")
     latest_checkpoint = _at("checkpoints", "latest")  # names the tag of the newest complete checkpoint
     ledger = _at("trained.jsonl")
+    trajectory_log = _at("trajectory-log.bin")  # sao/trainer/archive.py, read by `sao replay`
     policy_dir = _at("policy")
     cluster_id = _at("cluster-id")  # the Kafka cluster this run was first started on
     heldout = _at("eval", "heldout.json")  # the paired held-out comparison that ends `sao run`

@@ -41,27 +41,32 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in state.items()}
 
 
-def state_sha256(state: dict[str, torch.Tensor]) -> str:
+def state_sha256(state: dict[str, torch.Tensor], tensor_digests: dict[str, bytes] | None = None) -> str:
     """sha256 of a published state: over each tensor by name, `name NUL dtype NUL shape NUL` then the
-    sha256 of its raw bytes.
+    sha256 of its raw bytes (`tensor_sha256s`, computed here unless given).
 
     It names what a sampler holds whatever files brought it there, so a delta can say which state it
-    applies to and which it makes; no file written. Hashing tensor by tensor lets the bytes be hashed
-    on several cores at once (hashlib releases the GIL while it hashes a buffer).
+    applies to and which it makes; no file written.
     """
+    digests = tensor_digests if tensor_digests is not None else tensor_sha256s(state)
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name]
+        digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        digest.update(digests[name])
+    return digest.hexdigest()
+
+
+def tensor_sha256s(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """The sha256 of each tensor's raw bytes, by name. Hashed tensor by tensor, so on several cores at once
+    (hashlib releases the GIL while it hashes a buffer)."""
     names = sorted(state)
 
     def tensor_digest(name: str) -> bytes:
         return hashlib.sha256(state[name].reshape(-1).view(torch.uint8).numpy()).digest()
 
     with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
-        digests = list(pool.map(tensor_digest, names))
-    digest = hashlib.sha256()
-    for name, tensor_sha256 in zip(names, digests):
-        tensor = state[name]
-        digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
-        digest.update(tensor_sha256)
-    return digest.hexdigest()
+        return dict(zip(names, pool.map(tensor_digest, names)))
 
 
 def encode_delta(base: dict[str, torch.Tensor], result: dict[str, torch.Tensor], max_bytes: float = float("inf")

@@ -48,6 +48,7 @@ class TrainerState:
     dead_lettered_offsets: dict[int, list[int]] = field(default_factory=dict)  # dead-lettered at or above `offsets`
     rng: dict = field(default_factory=dict)  # torch and replay-sampling RNG states, as plain lists
     broker_cluster_id: str | None = None  # the Kafka cluster `offsets` point into (sao/transport/health.py)
+    trajectory_log_bytes: int = 0  # the trajectory log's length at this checkpoint (sao/trainer/archive.py)
 
     @classmethod
     def from_json(cls, data: dict) -> TrainerState:

@@ -9,7 +9,6 @@ trains on whatever fresh trajectories Kafka holds, in arrival order (or by prior
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -25,16 +24,13 @@ import torch
 import torch.distributed as dist
 
 from sao import metrics
-from sao.compression.bottleneck import basis_name, describe, memory_width, resolve_bottleneck
-from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig, to_toml
 from sao.dead_letters import DeadLetterReason
 from sao.envs.registry import turn_credit
-from sao.policy.lora import add_lora
-from sao.policy.weights import build_policy, frozen_copy
 from sao.run_dir import RunDir
 from sao.schema import Trajectory
 from sao.status import StepRecord, TrainerProgress, attempt_success, process_usage, write_status
+from sao.trainer.archive import TrajectoryArchive
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards, turn_returns
 from sao.trainer.buffer import BufferEntry, ReplayBuffer
@@ -48,14 +44,13 @@ from sao.trainer.checkpoint import (
 )
 from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import (
-    batch_layout,
-    build_engine,
     learning_rate_at,
     memory_per_rank,
     set_learning_rate,
     shutdown,
 )
 from sao.trainer.leader_io import LeaderIO
+from sao.trainer.policy_engine import build_policy_engine
 from sao.trainer.publisher import PolicyPublisher
 from sao.trainer.shadow import background_cpus
 from sao.trainer.shadow_validation import ShadowValidation
@@ -93,6 +88,7 @@ class Trainer:
         self.io = LeaderIO.open(config, bootstrap, self.run_dir, self.state, restored, resume, validator) \
             if rank() == 0 else None
         self.publisher = self._policy_publisher()
+        self.archive = self._open_trajectory_log(restored)  # rank 0, unless trainer.keep_trajectory_log is off
         self.buffer = self._replay_buffer()
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
@@ -113,29 +109,10 @@ class Trainer:
 
     def _build_engine(self) -> TrajectoryValidator:
         """The policy (and its frozen base copy), then the ZeRO-3 engine; returns the policy's validator."""
-        config = self.config
-        full_width = encoder_dim(config.compression.encoder)  # read from the encoder's folder: no model load
-        bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder_name(config.compression.encoder))
-        self.memory_width = memory_width(bottleneck, full_width)
-        log.info(describe(bottleneck, full_width))
-        policy = build_policy(config.policy, self.memory_width, config.trainer.value_head, config.compression.encoder,
-                              bottleneck)
-        validator = TrajectoryValidator.for_model(  # before ZeRO-3 wraps the policy
-            policy, self.memory_width, config, basis_name(bottleneck))
-        # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
-        self.base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
-        if config.trainer.lora.rank:
-            add_lora(policy, config.trainer.lora)
-        self._started("model")
-        # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
-        # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
-        gc.freeze()
-        self.engine = build_engine(policy, config.trainer)
-        if self.base_policy is not None:  # rows are scored on the engine's device: a GPU's, where there is one
-            self.base_policy.to(self.engine.device)
-        self.batch_size, self.accumulation = batch_layout(config.trainer, world_size())
-        self._started("engine")
-        return validator
+        built = build_policy_engine(self.config, self._started)
+        self.engine, self.base_policy, self.memory_width = built.engine, built.base_policy, built.memory_width
+        self.batch_size, self.accumulation = built.batch_size, built.accumulation
+        return built.validator
 
     def _restore(self, bootstrap: str, resume: bool, resuming: bool, verified: Future | None) -> TrainerState | None:
         """`self.state`: the latest checkpoint's on `resume` (its engine state loaded), else a fresh one.
@@ -171,6 +148,27 @@ class Trainer:
         if self.shadow is not None:
             publisher.pinned = self.shadow.pinned
         return publisher
+
+    def _open_trajectory_log(self, restored: TrainerState | None) -> TrajectoryArchive | None:
+        """Rank 0's trajectory log (sao/trainer/archive.py), continued from where a restored checkpoint left it."""
+        if self.io is None or not self.config.trainer.keep_trajectory_log:
+            return None
+        archive = TrajectoryArchive(self.run_dir.trajectory_log, restored.trajectory_log_bytes if restored else 0)
+        archive.life(self.state.step, self.state.policy_version, restored is not None, world_size(),
+                     to_toml(self.config))
+        self.io.stream.on_message = archive.trajectory
+        self.publisher.hash_states = True
+        return archive
+
+    def _log_step(self, outcome: StepOutcome, entries: list[BufferEntry] | None, trained_version: int) -> None:
+        """Rank 0: the step into the trajectory log, the messages it trained on named by partition and offset."""
+        if self.archive is None or outcome.interrupted:
+            return
+        where = {entry.trajectory.trajectory_id: (entry.partition, entry.offset) for entry in entries}
+        trained = [where[t.trajectory_id] for t in outcome.plan.trajectories] if outcome.plan is not None else []
+        self.archive.step(self.state.step + 1 if outcome.applied else None, trained_version,
+                          [(entry.partition, entry.offset) for entry in entries], trained, outcome.applied,
+                          self.step_learning_rate, outcome.passes, outcome.skipped_reason)
 
     def _replay_buffer(self) -> ReplayBuffer:
         cfg = self.config.trainer
@@ -229,6 +227,7 @@ class Trainer:
                 self._follow_shadow()  # a version that fell below the best is rolled back before this step
                 trained_version = self.state.policy_version
                 outcome = self._train(batch, entries)  # what could not be trained on is dead-lettered
+                self._log_step(outcome, entries, trained_version)
                 if outcome.applied:
                     self.state.step += 1
                     self._ledger({"step": self.state.step, "policy_version": trained_version,
@@ -257,6 +256,8 @@ class Trainer:
             self._write_status(finished=self.finished)
             if self.io is not None:
                 self.io.close()
+            if self.archive is not None:
+                self.archive.close()
             if self.shadow is not None:
                 self.shadow.stop()
             shutdown()
@@ -392,7 +393,10 @@ class Trainer:
     def _publish(self, offer_to_shadow: bool = True) -> None:
         started = time.perf_counter()
         self.state.policy_version += 1
-        self.publisher.publish(self.engine, self.state.policy_version, self.state.step)
+        announcement = self.publisher.publish(self.engine, self.state.policy_version, self.state.step)
+        if self.archive is not None:
+            self.archive.published(self.state.policy_version, self.state.step, self.publisher.last_state_sha256,
+                                   announcement.sha256, self.publisher.last_tensor_sha256)
         self.phase_s["publish"] = time.perf_counter() - started
         if self.is_leader:
             metrics.record_policy_published(self.state.policy_version)
@@ -422,6 +426,8 @@ class Trainer:
 
         event = self.shadow.roll_back(self.engine, back_to, publish, self.state.step, self.state.policy_version)
         self._ledger({"rollback": event})
+        if self.archive is not None:
+            self.archive.rollback(event)
 
     def _commit(self) -> None:
         if self.io is not None:
@@ -446,11 +452,15 @@ class Trainer:
         Otherwise a resume would read those messages again and dead-letter each a second time.
         """
         self.io.note_in(self.state, self.buffer)
+        if self.archive is not None:
+            self.state.trajectory_log_bytes = self.archive.durable_length()
         update_checkpoint_state(self.run_dir.checkpoints, self.state)
 
     def _checkpoint(self) -> int:
         if self.io is not None:
             self.io.note_in(self.state, self.buffer)
+        if self.archive is not None:
+            self.state.trajectory_log_bytes = self.archive.durable_length()
         self.state.baseline = self.baseline.state_dict()
         self.state.rng = {"torch": torch.get_rng_state().tolist(), "replay": _jsonable(self.buffer.rng.getstate())}
         started = time.perf_counter()
@@ -476,6 +486,7 @@ class Trainer:
                 "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
                 **process_usage(), "idle_s": self.idle_s,
                 "run_s": time.perf_counter() - self.run_started if self.run_started is not None else 0.0,
+                "trajectory_log": asdict(self.archive.stats) if self.archive is not None else None,
                 "steps": [asdict(record) for record in self.steps]}
 
     def _write_status(self, finished: bool = False) -> None:

@@ -32,6 +32,7 @@ from sao.policy.deltas import (
     encode_delta,
     state_sha256,
     tensor_bytes,
+    tensor_sha256s,
 )
 from sao.policy.weights import write_weights
 from sao.run_dir import RunDir
@@ -41,6 +42,13 @@ from sao.transport.announcements import announce, ensure_announce_key, sign
 from sao.transport.weights import WeightsSender
 
 log = logging.getLogger(__name__)
+
+
+def policy_state(engine, lora: bool) -> dict[str, torch.Tensor]:
+    """Collective: what a version publishes, gathered in fp32 on CPU: the whole policy, or with `lora` its adapters
+    and projector. Samplers act with the policy only; the trainer's value head stays in its checkpoints."""
+    state = gather_adapter_state(engine) if lora else gather_full_state(engine)
+    return {name: tensor for name, tensor in state.items() if not name.startswith("value_head.")}
 
 
 class PolicyPublisher:
@@ -60,6 +68,11 @@ class PolicyPublisher:
         # The last published state (publish dtype), its version, hash, and the version of the snapshot it rests on.
         self.previous: dict[str, torch.Tensor] | None = None
         self.previous_version = self.previous_sha256 = self.snapshot_version = None
+        # With `hash_states` (the trajectory log is kept) every version's state is hashed, whole files too: the
+        # last one's hash and its tensors' hashes, for the log (sao/trainer/archive.py).
+        self.hash_states = False
+        self.last_state_sha256: str = ""
+        self.last_tensor_sha256: dict[str, bytes] | None = None
         # Versions kept beyond keep_versions (shadow validation's best and the one it is scoring).
         self.pinned: Callable[[], set[int]] = set
         # Samplers read only announcements signed with the run's key, kept beside the weights (made once per run).
@@ -67,12 +80,10 @@ class PolicyPublisher:
 
     def publish(self, engine, version: int, trainer_step: int) -> PolicyAnnouncement | None:
         """Collective: every rank must call it. Rank 0 writes and announces; others get None."""
-        state = gather_adapter_state(engine) if self.content == "lora" else gather_full_state(engine)
+        state = policy_state(engine, self.content == "lora")
         if torch.distributed.get_rank() != 0:
             return None
-        # Samplers act with the policy only; the trainer's value head stays in its checkpoints.
-        policy_state = {k: v for k, v in state.items() if not k.startswith("value_head.")}
-        return self.publish_state(policy_state, version, trainer_step)
+        return self.publish_state(state, version, trainer_step)
 
     def publish_state(self, state: dict[str, torch.Tensor], version: int, trainer_step: int) -> PolicyAnnouncement:
         """Write `state` (one tensor per storage) as `version`, announce it, prune what no kept version needs.
@@ -105,9 +116,11 @@ class PolicyPublisher:
 
     def _write(self, published: dict[str, torch.Tensor], version: int) -> dict:
         """Write `version`'s file; the announcement's facts about it (sha256, and with deltas the chain's)."""
+        self.last_tensor_sha256 = tensor_sha256s(published) if self.deltas or self.hash_states else None
+        self.last_state_sha256 = state_sha256(published, self.last_tensor_sha256) if self.last_tensor_sha256 else ""
         if not self.deltas:
             return {"sha256": write_weights(published, self.run_dir.weights(version))}
-        result_sha256 = state_sha256(published)
+        result_sha256 = self.last_state_sha256
         delta = None
         if self.previous is not None and version - self.snapshot_version < self.snapshot_every:
             # None when most values changed: a whole file is then as small and cheaper to write and apply.

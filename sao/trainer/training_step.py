@@ -46,6 +46,7 @@ class StepOutcome:
     forward_backward_s: float = 0.0
     optimizer_s: float = 0.0
     interrupted: bool = False  # stopped between two passes: nothing applied, the batch is to be trained later
+    passes: list[list[tuple[int, int]]] = field(default_factory=list)  # this rank's micro-batches of (index, turn) rows
 
     @property
     def skipped_reason(self) -> DeadLetterReason | None:
@@ -135,7 +136,7 @@ def _forward_backward_step(engine, plan: BatchPlan, cfg: TrainerConfig, memory_w
             return StepOutcome(plan, None, False, interrupted=True)
     stats = all_reduce_stats(parts, accumulation * ranks, engine.device)
     return StepOutcome(plan, stats, bool(engine.was_step_applied()), forward_backward_s=forward_backward_s,
-                       optimizer_s=optimizer_s)
+                       optimizer_s=optimizer_s, passes=[rows for rows in passes if rows])
 
 
 def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,8 @@ class TrajectoryStream:
         # Exported for dashboards and alerts only: wrong on Tansu, whose high watermarks are wrong.
         self.lag = LagReporter(self.consumer, group_id)
         self._resume_offsets = start_offsets
+        # Told of every message read, before anything is decided about it (the trajectory log's writer).
+        self.on_message: Callable[[str, int, int, bytes | None], None] | None = None
         self.consumer.subscribe([topic], on_assign=self._on_assign)
 
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
@@ -100,6 +103,8 @@ class TrajectoryStream:
                 log.warning("trajectories topic: %s", msg.error())
                 continue
             self.next_offsets[msg.partition()] = msg.offset() + 1
+            if self.on_message is not None:
+                self.on_message(self.topic, msg.partition(), msg.offset(), msg.value())
             if msg.offset() in self.dead_lettered_positions.get(msg.partition(), ()):
                 self.counters.duplicates += 1  # dead-lettered before a resume re-read it
                 continue
