@@ -11,6 +11,8 @@ standard errors of their paired difference on the same tasks.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import functools
 import json
 import logging
@@ -162,8 +164,27 @@ def run_in_background(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child between fork and exec: the kernel sends it SIGTERM when the thread that started it exits, however
+    it exits (an exception, a signal, SIGKILL); a child whose parent is already gone exits at once."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _scorer_child(cpus: set[int] | None, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    run_in_background(cpus)
+
+
 class ShadowScorerProcess:
-    """Rank 0: starts `sao shadow`, hands it one version at a time, and reads back its scores."""
+    """Rank 0: starts `sao shadow`, hands it one version at a time, and reads back its scores.
+
+    The scorer never outlives the trainer: it is stopped at the trainer's exit (atexit) whatever path it
+    takes, and the kernel sends it SIGTERM if the trainer dies without one (a signal, SIGKILL)."""
 
     def __init__(self, run_dir: RunDir, config_path: Path, cpus: set[int] | None = None):
         self.run_dir = run_dir
@@ -180,7 +201,9 @@ class ShadowScorerProcess:
         # (`background_cpus`): off a pinned trainer's, so it takes the samplers' idle time, not a step's.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sao.cli", "shadow", "--config", str(config_path), "--run-dir", str(run_dir.root)],
-            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, preexec_fn=functools.partial(run_in_background, cpus))
+            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+            preexec_fn=functools.partial(_scorer_child, cpus, os.getpid()))
+        atexit.register(self.stop)  # an exception or exit anywhere in the trainer, its start-up included
 
     @property
     def idle(self) -> bool:
@@ -229,6 +252,7 @@ class ShadowScorerProcess:
         return None
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

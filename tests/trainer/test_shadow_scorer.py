@@ -2,6 +2,9 @@
 first), and a scorer that dies costs the run its scores, never its training."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -67,3 +70,50 @@ def test_a_pinned_trainers_scorer_runs_on_the_samplers_cpus(tmp_path):
         assert os.getpriority(os.PRIO_PROCESS, process.process.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 10
     finally:
         process.stop()
+
+
+# A trainer's stand-in: starts the scorer as the trainer does, then fails (as a refused resume does), or waits
+# for the test's signal; the real trainer's start-up takes longer than the scorer's imports, so this is harsher.
+TRAINER_STAND_IN = """
+import sys, time
+from pathlib import Path
+from sao.run_dir import RunDir
+from sao.trainer.shadow import ShadowScorerProcess
+scorer = ShadowScorerProcess(RunDir(sys.argv[1]), Path(sys.argv[2]))
+print(scorer.process.pid, flush=True)
+sys.stdin.readline()  # the test has seen the scorer alive
+if sys.argv[3] == "raise":
+    raise RuntimeError("resume refused")
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+    return " Z " not in state  # a zombie has exited: only its parent's wait is missing
+
+
+@pytest.mark.parametrize("end", ["raise", signal.SIGTERM])  # SIGKILL takes the path SIGTERM does here
+def test_the_scorer_never_outlives_the_trainer_that_started_it(end, tmp_path):
+    config = load_config(overrides=['policy.model="tiny"'], environ={})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "config.toml").write_text(to_toml(config))
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_STAND_IN, str(run_dir), str(tmp_path / "config.toml"),
+                                "raise" if end == "raise" else "wait"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    scorer_pid = int(trainer.stdout.readline())
+    assert _alive(scorer_pid)  # still importing: it has not yet seen who its parent is
+    if end == "raise":
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+    else:
+        trainer.send_signal(end)
+    trainer.wait(60)
+    deadline = time.monotonic() + 40  # the trainer's stop gives the scorer 30 s to end
+    while _alive(scorer_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(scorer_pid), f"the shadow scorer (pid {scorer_pid}) outlived its trainer ({end})"
