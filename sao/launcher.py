@@ -94,7 +94,7 @@ def run(config: SaoConfig, console: Console) -> dict:
     _compare_on_heldout(config, run_dir, console)
     summary = build_summary(config, run_dir.root, duration_s)
     run_dir.summary.write_text(json.dumps(summary, indent=2))
-    console.print(summary_table(summary))
+    console.print(summary_table(summary, run_dir.root))
     report = write_report(run_dir.root, summary)
     console.print(f"run directory: [bold]{run_dir.root}[/] (summary.json, logs/, policy/, checkpoints/)")
     console.print(f"report: [bold]{report}[/] (plots in {run_dir.plots})")

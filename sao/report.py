@@ -233,13 +233,60 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
     }
 
 
-def summary_table(summary: dict) -> Table:
-    table = Table(title="sao run summary", show_header=True)
-    table.add_column("metric")
+def summary_table(summary: dict, run_dir: Path | None = None) -> Table:
+    """What `sao run` prints at its end: the figures a user decides on, one screen at most (docs/summary.md
+    says what every key of summary.json means; report.md has them all)."""
+    table = Table(title="sao run summary (every figure: summary.json, report.md; their meaning: docs/summary.md)")
+    table.add_column("figure")
     table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, f"{len(value)} entries, in report.md" if isinstance(value, list) else _fmt(value))
+    for name, value in decision_rows(summary):
+        table.add_row(name, value)
+    if run_dir is not None:
+        table.add_row("run directory", str(run_dir))
     return table
+
+
+def decision_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """(figure, value) rows: held-out success base -> final -> kept with their gains, the skill, the cost."""
+    get = summary.get
+    rows: list[tuple[str, str]] = []
+    if get("heldout_n"):
+        rows.append((f"held-out first-try success, base v0 -> final v{_fmt(get('policy_version'))}",
+                     f"{_fmt(get('heldout_base'))} -> {_fmt(get('heldout_final'))} (gain "
+                     f"{_signed(get('heldout_gain'))} ± {_fmt(get('heldout_gain_stderr'))}, n={get('heldout_n')})"))
+        if get("kept_version") is not None and get("heldout_kept") is not None:
+            rows.append((f"kept by shadow validation: v{get('kept_version')}",
+                         f"{_fmt(get('heldout_kept'))} (gain {_signed(get('heldout_kept_gain'))} ± "
+                         f"{_fmt(get('heldout_kept_gain_stderr'))}; RUN_DIR/policy/best)"))
+        if get("heldout_skill"):
+            rows.append((f"skill {get('heldout_skill')}, base -> final",
+                         f"{_fmt(get('heldout_skill_base'))} -> {_fmt(get('heldout_skill_final'))} (gain "
+                         f"{_signed(get('heldout_skill_final_gain'))} ± "
+                         f"{_fmt(get('heldout_skill_final_gain_stderr'))}, n={_fmt(get('heldout_skill_n'))})"))
+            rows.append(("format-only ceiling", _fmt(get("heldout_format_ceiling"))))
+        if get("heldout_second_try_n") or get("heldout_second_try_base_n"):
+            rows.append(("second-try success after a wrong first, base -> final",
+                         f"{_fmt(get('heldout_second_try_base'))} (n={_fmt(get('heldout_second_try_base_n'))}) -> "
+                         f"{_fmt(get('heldout_second_try_final'))} (n={_fmt(get('heldout_second_try_n'))})"))
+    else:
+        rows.append(("held-out evaluation", "none (run.heldout_eval = false, nothing published, or it failed)"))
+    rows += [
+        ("sampled reward, first -> last version",
+         f"{_fmt(get('reward_first_version'))} -> {_fmt(get('reward_last_version'))}"),
+        ("trajectories trained / produced", f"{_fmt(get('trajectories_trained'))} / {_fmt(get('trajectories_produced'))}"
+         f" ({_fmt(get('dead_lettered'))} dead-lettered)"),
+        ("optimizer steps, last version", f"{_fmt(get('trainer_steps'))}, v{_fmt(get('policy_version'))}"),
+        ("wall time of training", f"{_fmt(get('duration_s'))} s"),
+        ("throughput", f"{_fmt(get('trajectories_per_s'))} trajectories/s"),
+        ("CPU utilisation", f"{_fmt(get('cpu_utilisation'))} of {_fmt(get('cores'))} cores"),
+        ("mean staleness", f"{_fmt(get('staleness_mean'))} versions"),
+        ("peak memory, trainer / sampler", f"{_fmt(get('trainer_peak_rss_mb'))} / {_fmt(get('sampler_peak_rss_mb'))} MiB"),
+    ]
+    return rows
+
+
+def _signed(value: Any) -> str:
+    return f"{value:+.4g}" if isinstance(value, (int, float)) and math.isfinite(value) else _fmt(value)
 
 
 # --- plots -------------------------------------------------------------------------------------
@@ -489,6 +536,8 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         f"Written {datetime.now().isoformat(timespec='seconds')} from `summary.json` and `status/`.",
         "",
         "## Summary",
+        "",
+        "What each figure means: docs/summary.md in sao's repository.",
         "",
         "| figure | value |",
         "|---|---:|",

@@ -2,12 +2,13 @@
 
 import json
 import random
+import re
 from dataclasses import asdict
 
 import pytest
 
 from sao.config import SaoConfig
-from sao.report import HELDOUT_KEYS, PLOTS, build_summary, reward_by_version, write_report
+from sao.report import HELDOUT_KEYS, PLOTS, build_summary, decision_rows, reward_by_version, summary_table, write_report
 from sao.status import write_status
 from support.records import step_record
 
@@ -162,3 +163,49 @@ def test_the_summary_and_report_carry_the_skill_figure_and_the_format_ceiling(tm
     assert "worst on is `answer<0` (n=4): 0 for the base model, 0.5 for the final version" in text
     assert "Format-only ceiling 0.75" in text
     assert "| answer>=0 | 12 | 0.25 ± 0.131 | 0.75 ± 0.131 | 0.5 ± 0.151 |" in text
+
+
+def _full_summary(tmp_path) -> dict:
+    """build_summary of the synthetic run with every held-out figure there: held-out, kept, skill, second try."""
+    _synthetic_run(tmp_path)
+    (tmp_path / "eval").mkdir()
+    skill = {"n": 4, "base": 0.0, "base_stderr": 0.0, "final": 0.5, "final_stderr": 0.289, "final_gain": 0.5,
+             "final_gain_stderr": 0.289}
+    (tmp_path / "eval" / "heldout.json").write_text(json.dumps(
+        {"heldout_base": 0.1875, "heldout_final": 0.6875, "heldout_gain": 0.5, "heldout_gain_stderr": 0.1,
+         "heldout_n": 16, "kept_version": 4, "heldout_kept": 0.625, "heldout_kept_gain": 0.4375,
+         "heldout_kept_gain_stderr": 0.11, "heldout_second_try_base": 0.1, "heldout_second_try_base_n": 13,
+         "heldout_second_try_final": 0.4, "heldout_second_try_n": 5, "heldout_skill": "answer<0",
+         "heldout_skills": {"answer<0": skill}, "heldout_format_ceiling": 0.75,
+         **{f"heldout_skill_{key}": value for key, value in skill.items()}}))
+    return build_summary(SaoConfig(), tmp_path, duration_s=42.0)
+
+
+def test_the_printed_summary_fits_one_screen_and_leads_with_what_a_user_decides_on(tmp_path):
+    from rich.console import Console
+
+    summary = _full_summary(tmp_path)
+    console = Console(width=160, record=True, file=open(tmp_path / "screen.txt", "w"))
+    console.print(summary_table(summary, tmp_path))
+    screen = console.export_text()
+    assert len(screen.splitlines()) <= 25 + 5, screen  # at most 25 rows, and the table's frame
+    rows = dict(decision_rows(summary))
+    assert rows["held-out first-try success, base v0 -> final v6"] == "0.1875 -> 0.6875 (gain +0.5 ± 0.1, n=16)"
+    assert rows["kept by shadow validation: v4"].startswith("0.625 (gain +0.4375 ± 0.11")
+    assert rows["skill answer<0, base -> final"] == "0 -> 0.5 (gain +0.5 ± 0.289, n=4)"
+    assert rows["format-only ceiling"] == "0.75"
+    assert rows["trajectories trained / produced"].startswith("24 / 24")
+    assert rows["throughput"] == f"{24 / 42:.4g} trajectories/s"
+    assert str(tmp_path) in screen and "docs/summary.md" in screen
+    assert "trajectories_from_reloaded_policy" not in screen  # the rest stays in summary.json and report.md
+    bare = dict(decision_rows({"trajectories_trained": 0}))
+    assert bare["held-out evaluation"].startswith("none")
+
+
+def test_docs_summary_md_explains_every_key_of_summary_json_and_no_other(tmp_path):
+    from pathlib import Path
+
+    legend = (Path(__file__).resolve().parent.parent / "docs" / "summary.md").read_text()
+    explained = re.findall(r"^\| `(\w+)` \|", legend, flags=re.M)
+    assert len(explained) == len(set(explained))
+    assert sorted(explained) == sorted(_full_summary(tmp_path))
