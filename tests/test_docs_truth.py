@@ -4,6 +4,9 @@
   rot there (and `sao config show` would print them); they belong in benchmarks/README.md.
 - The README's claims about the CLI (which commands take `--config`/`--set`, which exist) and
   the defaults it quotes match the Typer app and `SaoConfig()`.
+- Every config knob, metric, alert and repository path that README.md, docs/*.md,
+  deploy/README.md or benchmarks/README.md names exists, and deploy/README.md lists every metric
+  and every alert rule.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import ast
 import io
 import re
 import tokenize
+import typing
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import typer
+from pydantic import BaseModel
 
 from sao.cli import app
 from sao.config import SaoConfig
@@ -28,7 +33,7 @@ README = ROOT / "README.md"
 # A number followed by a unit of measurement: the sign \u00d7 or x (a ratio), %, s.e., ns, µs, us, ms or s.
 FIGURE = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*\s*(?:\u00d7|%|s\.e\.|(?:x|ns|µs|us|ms|s)(?!\w))")
 # A figure right after one of these words is a setting or a limit, not a measurement ("Kafka's default is 45 s").
-LIMIT = re.compile(r"(?:default|default is|default of|up to|at most|limit of|timeout of)\s*$")
+LIMIT = re.compile(r"(?:default|default is|default of|up to|at most|limit of|timeout of)\s*$", re.IGNORECASE)
 
 
 def figures(text: str) -> list[str]:
@@ -163,3 +168,107 @@ def test_the_in_flight_default_the_docs_quote_is_the_feeder_s():
     scale_out = " ".join((ROOT / "docs" / "scale-out.md").read_text().split())
     assert f"`run.max_trajectories_in_flight` trajectories (default {batches} batches)" in design
     assert f"| tasks in flight | about {batches} \u00d7 `trainer.batch_size`" in scale_out
+
+
+# --- names in the docs: every config knob, metric, alert and repository path a doc names exists -----------------
+
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md", ROOT / "benchmarks" / "README.md"]
+ALERT_RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
+# `section.knob`, `section.sub.knob` (a knob's value or a method call after it is not part of the name).
+KNOB = re.compile(rf"(?<![\w./-])(?:{'|'.join(SaoConfig.model_fields)})(?:\.\w+)+\*?(?![\w(])")
+METRIC = re.compile(r"(?<![\w/.])sao_[a-z0-9_]+\*?(?!\w|\.[a-z])")  # not a file such as sao_state.json
+ALERT = re.compile(r"\bSao[A-Z]\w*")
+REPO_PATH = re.compile(r"(?<![\w./~$-])(?:\.\./)*(?:sao|tests|deploy|benchmarks|docs|\.ci)/[^\s`'\")\]|,;]*")
+LINK = re.compile(r"\]\(([^)#\s]+)")
+# Files a doc tells the user to make.
+USER_MADE = {"deploy/.env"}
+FILE_SUFFIXES = {"py", "md", "toml", "yml", "yaml", "json", "txt"}
+
+
+def _model_of(annotation) -> type[BaseModel] | None:
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _is_knob(dotted: str) -> bool:
+    """`dotted` names a field of SaoConfig (a `prefix_*` names some); below a dict field anything goes."""
+    model: type[BaseModel] | None = SaoConfig
+    *parents, last = dotted.split(".")
+    for part in parents:
+        if model is None:
+            return True
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        model = _model_of(field.annotation)
+    if model is None:
+        return True
+    if last.endswith("*"):
+        return any(name.startswith(last.rstrip("*")) for name in model.model_fields)
+    return last in model.model_fields
+
+
+def _defined_metrics() -> set[str]:
+    return set(re.findall(r'"(sao_[a-z0-9_]+)"', (ROOT / "sao" / "metrics.py").read_text()))
+
+
+def _defined_alerts() -> set[str]:
+    return set(re.findall(r"-\s*alert:\s*(\w+)", ALERT_RULES.read_text()))
+
+
+def unknown_names(text: str, doc_dir: Path, metrics: set[str], alerts: set[str], classes: set[str]) -> list[str]:
+    """What `text` (a doc in `doc_dir`) names that does not exist: knobs, metrics, alerts, repository paths."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for knob in KNOB.findall(line):
+            placeholder = any(part.isupper() for part in knob.split(".")[1:])
+            if not placeholder and knob.rsplit(".", 1)[-1] not in FILE_SUFFIXES and not _is_knob(knob):
+                found.append(f"{number}: knob {knob}")
+        for metric in METRIC.findall(line):
+            series = re.sub(r"_(bucket|sum|count|created)$", "", metric)
+            if metric.endswith("*"):
+                known = any(name.startswith(metric.rstrip("*")) for name in metrics)
+            else:
+                known = metric in metrics or series in metrics
+            if not known:
+                found.append(f"{number}: metric {metric}")
+        for alert in ALERT.findall(line):
+            if alert not in alerts and alert not in classes:
+                found.append(f"{number}: alert {alert}")
+        paths = {path.split("#")[0].rstrip(".:") for path in REPO_PATH.findall(line)}
+        paths |= {link for link in LINK.findall(line) if not link.startswith(("http:", "https:", "mailto:"))}
+        for path in sorted(paths):
+            placeholder = any(mark in path for mark in "*<>…{") or re.search(r"[A-Z]{3,}", path)
+            if placeholder or path in USER_MADE or (ROOT / path).exists() or (doc_dir / path).exists():
+                continue
+            found.append(f"{number}: path {path}")
+    return found
+
+
+def test_the_name_check_finds_knobs_metrics_alerts_and_paths_that_do_not_exist():
+    text = ("Set `trainer.learning_rate`, `trainer.lora.rank`, `trainer.shadow_*` and `env.options.turns` (fine),\n"
+            "`trainer.learning_rat` and `policy.nope.deeper` (not), `trainer.KNOB` (a placeholder); see sampler.py.\n"
+            "`sao_trainer_loss`, `sao_trainer_reward_bucket`, `sao_state.json`; `sao_trainer_los` is no metric.\n"
+            "Alerts: `SaoTrainerStalled`, `SaoConfig` (a class), `SaoTrainerStaled`.\n"
+            "Files: sao/config.py, [wire](docs/wire-format.md), `benchmarks/NAME.py`, sao/confg.py, [x](nowhere.md).\n")
+    found = unknown_names(text, ROOT, {"sao_trainer_loss", "sao_trainer_reward"}, {"SaoTrainerStalled"}, {"SaoConfig"})
+    assert found == ["2: knob trainer.learning_rat", "2: knob policy.nope.deeper", "3: metric sao_trainer_los",
+                     "4: alert SaoTrainerStaled", "5: path nowhere.md", "5: path sao/confg.py"]
+
+
+def test_every_knob_metric_alert_and_path_a_doc_names_exists():
+    classes = set(re.findall(r"class (Sao\w+)", "".join(path.read_text() for path in (ROOT / "sao").rglob("*.py"))))
+    metrics, alerts = _defined_metrics(), _defined_alerts()
+    found = [f"{doc.relative_to(ROOT)}:{entry}" for doc in DOCS
+             for entry in unknown_names(doc.read_text(), doc.parent, metrics, alerts, classes)]
+    assert found == [], "docs name what does not exist (rename it, or fix the doc):\n" + "\n".join(found)
+
+
+def test_deploy_readme_lists_every_metric_and_every_alert():
+    deploy_readme = (ROOT / "deploy" / "README.md").read_text()
+    alert_rows = set(re.findall(r"^\| `(Sao\w+)`(?: / `(Sao\w+)`)?", deploy_readme, flags=re.MULTILINE))
+    in_table = {name for row in alert_rows for name in row if name}
+    assert sorted(_defined_metrics() - set(METRIC.findall(deploy_readme))) == [], "deploy/README.md, Metrics"
+    assert sorted(_defined_alerts() - in_table) == [], "deploy/README.md, Alerts: a rule without its row"
