@@ -209,6 +209,7 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
         trained_bar = bars.add_task("trained ", total=feeder.total, info="")
         last_progress, progressed_at = None, time.time()
         over_budget = False
+        printed_at = time.time()
         while True:
             samplers = read_all_status(run_dir.status_dir, "sampler-")
             trainer = read_status(run_dir.status("trainer"))
@@ -226,6 +227,7 @@ def _feed_and_watch(config: SaoConfig, feeder: Feeder, run_dir: RunDir, processe
             bars.update(trained_bar, completed=progress.trajectories_trained,
                         info=f"step {progress.step} policy v{progress.policy_version} "
                              f"reward(last 16) {sum(recent) / max(len(recent), 1):.2f}")
+            printed_at = _plain_progress(console, printed_at, started, bars)
             if processes["trainer"].poll() is not None:
                 break
             for name, proc in processes.items():
@@ -257,6 +259,21 @@ def _over_budget(config: SaoConfig, started: float, trainer: dict, trainer_proce
              config.run.max_minutes)
     trainer_process.send_signal(signal.SIGTERM)
     return True
+
+
+PLAIN_PROGRESS_EVERY_S = 15.0  # where output is no terminal (CI, nohup, a file): one progress line this often
+
+
+def _plain_progress(console: Console, printed_at: float, started: float, bars: Progress) -> float:
+    """Where the console is no terminal, rich draws no live bars: print them as one line every
+    PLAIN_PROGRESS_EVERY_S instead. Returns when a line was last printed."""
+    now = time.time()
+    if console.is_terminal or now - printed_at < PLAIN_PROGRESS_EVERY_S:
+        return printed_at
+    parts = [f"{task.description.strip()} {task.completed:.0f}/{task.total:.0f} {task.fields['info']}".strip()
+             for task in bars.tasks]
+    console.print(f"{now - started:.0f} s: " + "; ".join(parts), soft_wrap=True, highlight=False, markup=False)
+    return now
 
 
 def _progress(samplers: dict[str, dict], trainer: dict) -> tuple:

@@ -35,3 +35,30 @@ def test_a_sampler_that_only_idles_is_not_progress():
 def test_the_wall_clock_limit_is_off_by_default_and_the_stall_limit_on():
     run = load_config(environ={}).run
     assert run.timeout_s is None and run.stall_timeout_s > 0
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_without_a_terminal_progress_is_one_line_every_15_seconds(terminal):
+    """Output to a file (CI, nohup) gets no live bars from rich: a line instead, at most every 15 s."""
+    import io
+    import time
+
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+
+    from sao.launcher import PLAIN_PROGRESS_EVERY_S, _plain_progress
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=terminal, width=200)
+    bars = Progress(TextColumn("{task.description}"), console=console)
+    bars.add_task("produced", total=96, completed=40, info="samplers on v3,v3")
+    bars.add_task("trained ", total=96, completed=32, info="step 4 policy v4 reward(last 16) 0.31")
+    now = time.time()
+    assert _plain_progress(console, now, now - 20, bars) == now  # printed a moment ago: nothing yet
+    due = now - PLAIN_PROGRESS_EVERY_S - 0.1
+    printed = _plain_progress(console, due, now - 20, bars)
+    if terminal:  # the live bars show it
+        assert printed == due and out.getvalue() == ""
+    else:
+        assert printed >= now and out.getvalue().splitlines() == [
+            "20 s: produced 40/96 samplers on v3,v3; trained 32/96 step 4 policy v4 reward(last 16) 0.31"]
