@@ -1,8 +1,11 @@
 """`sao replay`: a run's trajectory log rebuilds every version it published, bit for bit, and names where one differs."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +14,9 @@ import pytest
 
 from sao.schema import Trajectory, decode, encode
 from sao.trainer.archive import MAGIC, read_records
-from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, write_config
+from support.fault_runs import fault_rng, fault_seed
+from support.shadow_env import shadow_on
+from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, wait_for_step, write_config
 
 
 def replay(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -94,3 +99,55 @@ def test_replay_with_another_knob_differs_from_step_one_and_writes_its_own_versi
         ["policy-v000001.safetensors", "policy-v000002.safetensors"]
     bad = replay(run_dir, "--set", "trainer.learning_rate=-1")
     assert bad.returncode == 2 and "trainer.learning_rate" in bad.stderr
+
+
+@pytest.mark.slow
+def test_replay_after_a_kill_9_and_resume_rebuilds_the_surviving_lineage(kafka_bootstrap, unique_topic_prefix,
+                                                                        tmp_path):
+    produce_trajectories(kafka_bootstrap, unique_topic_prefix)
+    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
+    write_config(config, unique_topic_prefix, keep_versions=100)
+    first = subprocess.Popen(trainer_command(config, kafka_bootstrap, run_dir), stdout=subprocess.DEVNULL,
+                             stderr=open(tmp_path / "first.log", "w"))
+    wait_for_step(run_dir / "status" / "trainer.json", 2, first)
+    delay = fault_rng().uniform(0, 1.0)  # seeded: a failure names its seed and reproduces with it
+    time.sleep(delay)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    second = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, "--resume"), capture_output=True,
+                            text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    records = list(read_records(run_dir / "trajectory-log.bin"))
+    lives = [record for record in records if record["kind"] == "life"]
+    assert len(lives) == 2 and lives[1]["resumed"], f"SAO_FAULT_SEED={fault_seed()}"
+    positions = [(r["partition"], r["offset"]) for r in records if r["kind"] == "trajectory"]
+    assert len(positions) == len(set(positions)), "a message re-read after the resume was logged twice"
+    steps = [record["step"] for record in records if record["kind"] == "step"]
+    assert steps == list(range(1, len(steps) + 1)) and lives[1]["step"] < len(steps)
+
+    result = replay(run_dir)
+    published = sum(record["kind"] == "published" for record in records)
+    assert result.returncode == 0, f"killed {delay:.2f} s after step 2 (SAO_FAULT_SEED={fault_seed()}): " + \
+        result.stderr[-3000:]
+    assert f"{published} of {published} versions match" in result.stderr
+
+
+@pytest.mark.slow
+def test_replay_follows_a_rollback_where_the_log_puts_it(kafka_bootstrap, unique_topic_prefix, tmp_path):
+    produce_trajectories(kafka_bootstrap, unique_topic_prefix)
+    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
+    write_config(config, unique_topic_prefix, keep_versions=100, shadow_every=1)
+    entry = [str(Path(__file__).parents[1] / "support" / "rollback_trainer.py")]
+    trained = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, entry=entry), capture_output=True,
+                             text=True, timeout=300, env=shadow_on())
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    records = list(read_records(run_dir / "trajectory-log.bin"))
+    [rollback] = [record for record in records if record["kind"] == "rollback"]
+    assert rollback["step"] == 3 and rollback["to_version"] == 1 and rollback["published_as"] == 4
+    hashes = {r["version"]: r["state_sha256"] for r in records if r["kind"] == "published"}
+    assert hashes[4] == hashes[1] != hashes[3]  # v4 republished v1's weights
+
+    result = replay(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{len(hashes)} of {len(hashes)} versions match" in result.stderr
