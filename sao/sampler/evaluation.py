@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -127,7 +128,9 @@ class Scorer:
         attempts = turns_are_attempts(self.config.env.name)  # else a second turn is no second try
         scores: TaskScores = {}
         failures: dict[str, str] = {}
-        for task, outcome in zip(tasks, self.roller.rollout_batch(tasks, version, greedy, slots=self.slots)):
+        outcomes = self.roller.rollout_batch(tasks, version, greedy, slots=self.slots,
+                                             on_done=_progress_log(f"v{version}", len(tasks)))
+        for task, outcome in zip(tasks, outcomes):
             if isinstance(outcome, EnvFailure):
                 failures[task.task_id] = str(outcome)
             else:
@@ -140,6 +143,25 @@ class Scorer:
             log.warning("v%d: the env failed on %d of %d held-out tasks (left out), e.g. %s", version, len(failures),
                         len(tasks), next(iter(failures.values())))
         return scores, failures
+
+
+PROGRESS_EVERY_S = 15.0  # how often a scoring logs how far it got
+
+
+def _progress_log(what: str, total: int, every_s: float = PROGRESS_EVERY_S) -> Callable[[int], None]:
+    """An `on_done` for rollout_batch that logs 'done of total, time left' at most every `every_s` seconds."""
+    started = reported = time.perf_counter()
+
+    def on_done(done: int) -> None:
+        nonlocal reported
+        now = time.perf_counter()
+        if now - reported >= every_s and done < total:
+            reported = now
+            left = (now - started) / done * (total - done)
+            log.info("%s: %d of %d held-out tasks scored in %.0f s, about %.0f s left", what, done, total,
+                     now - started, left)
+
+    return on_done
 
 
 def second_tries(scores: TaskScores, task_ids: list[str], figure: str = "second_try") -> list[float]:

@@ -204,22 +204,26 @@ class Roller:
                           f"{self.max_context} (the model's context less policy.max_new_tokens)")
 
     def rollout_batch(self, tasks: list[Task], behaviour_version: int, greedy: bool = False,
-                      slots: int | None = None) -> list[Trajectory | EnvFailure]:
+                      slots: int | None = None, on_done: Callable[[int], None] | None = None
+                      ) -> list[Trajectory | EnvFailure]:
         """One trajectory per task, in order; a task whose env failed yields its EnvFailure instead.
 
         At most `slots` episodes (default: all) are live at once, and a slot is refilled with the
         next task as soon as its episode ends - the sampler's continuous batching, minus Kafka.
+        `on_done(n)`, where given, hears how many tasks are done each time one ends (progress).
         """
         slots = slots or len(tasks)
         results: list[Trajectory | EnvFailure | None] = [None] * len(tasks)
         waiting = iter(enumerate(tasks))
         live: dict[int, LiveEpisode] = {}
+        done = 0
         while True:
             while len(live) < slots and (item := next(waiting, None)) is not None:
                 index, task = item
                 started = self.start(task, behaviour_version)
                 if isinstance(started, EnvFailure):
                     results[index] = started
+                    done += 1
                 else:
                     live[index] = started
             if not live:
@@ -229,6 +233,9 @@ class Roller:
                 if outcome is not None:
                     results[index] = outcome
                     del live[index]
+                    done += 1
+                    if on_done is not None:
+                        on_done(done)
 
 
 def sampling_policy(config: SaoConfig, encoder: SemanticEncoder | None = None, bottleneck: Bottleneck | None = None,

@@ -151,3 +151,17 @@ def test_a_small_eval_split_is_shared_between_validation_and_the_final_compariso
     final, validation = heldout_tasks(arithmetic, 80), validation_tasks(arithmetic)
     assert (len(final), len(validation)) == (80, 48)
     assert not {t.task_id for t in final} & {t.task_id for t in validation}
+
+
+def test_a_long_scoring_logs_how_far_it_got_and_the_time_left(caplog, monkeypatch):
+    from sao.sampler import evaluation
+
+    clock = iter([100.0, 110.0, 130.0, 131.0, 160.0])  # start, then one reading per task done
+    monkeypatch.setattr(evaluation.time, "perf_counter", lambda: next(clock))
+    on_done = evaluation._progress_log("v3", 4, every_s=15.0)
+    with caplog.at_level("INFO", logger=evaluation.__name__):
+        for done in (1, 2, 3, 4):
+            on_done(done)
+    # 10 s: too soon; 30 s: due; 31 s: too soon after it; the last task: the result says it.
+    assert [record.getMessage() for record in caplog.records] == [
+        "v3: 2 of 4 held-out tasks scored in 30 s, about 30 s left"]

@@ -269,9 +269,11 @@ def test_rollout_batch_with_fewer_slots_refills_them_and_keeps_task_order(tiny_c
     config.env.name, config.env.max_turns, config.policy.max_new_tokens = "support.turns_env:TurnsEnv", 5, 3
     tasks = make_tasks(config.env, 4)  # turns: 1, 3, 1, 1
     turns_env.EVENTS.clear()
-    results = make_roller(config, encoder).rollout_batch(tasks, 0, slots=2)
+    done: list[int] = []
+    results = make_roller(config, encoder).rollout_batch(tasks, 0, slots=2, on_done=done.append)
     assert [t.task_id for t in results] == [t.task_id for t in tasks]
     assert [len(t.steps) for t in results] == [1, 3, 1, 1]
+    assert done == [1, 2, 3, 4]  # progress: told each time a task is done
     events = turns_env.EVENTS
     assert events.index(("reset", 2)) < len(events) - 1 - events[::-1].index(("step", 1))
 
