@@ -151,10 +151,11 @@ def _exit_when_broker_fails(bootstrap: str) -> Iterator[None]:
     from confluent_kafka import KafkaException
 
     from sao.feeder import TasksNotAcknowledged
+    from sao.transport.topics import TopicSetupError
 
     try:
         yield
-    except (KafkaException, TasksNotAcknowledged) as err:
+    except (KafkaException, TasksNotAcknowledged, TopicSetupError) as err:
         console.print(f"[red]the broker at {escape(bootstrap)} failed:[/] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(3) from err
 
@@ -192,15 +193,18 @@ def run(config: ConfigOpt = None, set_: SetOpt = None,
     if cfg.broker.bootstrap_servers:
         _bootstrap(cfg, None)
     _serve_metrics(cfg, cfg.metrics.launcher_port, "launcher")
+    from confluent_kafka import KafkaException
+
     from sao.envs.registry import UnknownEnv
     from sao.feeder import TasksNotAcknowledged
     from sao.launcher import RunFailed
     from sao.launcher import run as run_loop
+    from sao.transport.topics import TopicSetupError
 
     try:
         run_loop(cfg, console)
-    except (RunFailed, UnknownEnv, TasksNotAcknowledged) as err:
-        console.print(f"[red]run failed:[/] {err}")
+    except (RunFailed, UnknownEnv, TasksNotAcknowledged, TopicSetupError, KafkaException) as err:
+        console.print(f"[red]run failed:[/] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(1) from err
 
 
