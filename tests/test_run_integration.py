@@ -119,6 +119,8 @@ def test_grpo_baseline_runs_synchronously_on_whole_groups(tmp_path):
     run_dir = tmp_path / "grpo"
     command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", "6", "--samplers", "1",
                "--run-dir", str(run_dir), "--set", "trainer.algorithm=\"grpo\"", "--set", "trainer.group_size=2",
+               # Another reasoning-gym dataset than the default: it starts from its own options, not basic_arithmetic's.
+               "--set", "env.dataset=\"chain_sum\"",
                "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=6", "--set", "run.timeout_s=300",
                "--set", "run.heldout_eval=false",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
@@ -132,6 +134,7 @@ def test_grpo_baseline_runs_synchronously_on_whole_groups(tmp_path):
         ids = json.loads(line)["trajectory_ids"]
         tasks = [tid.split("#")[0] for tid in ids]
         assert all(tasks.count(task) == 2 for task in tasks), ids  # whole groups only
+        assert all(task.startswith("train/chain_sum/") for task in tasks), ids
 
 
 @pytest.mark.slow
