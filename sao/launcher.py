@@ -9,6 +9,7 @@ They report progress through status files in the run directory; the launcher fee
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sao.config import SaoConfig, to_toml
 from sao.envs.registry import check_env_config
 from sao.feeder import Feeder, copies_per_task
+from sao.processes import die_with_parent
 from sao.report import build_summary, summary_table, write_report
 from sao.run_dir import RUNS, RunDir
 from sao.status import (
@@ -54,9 +56,11 @@ def new_run_dir(config: SaoConfig) -> RunDir:
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
+    """`sao ARGS` as a child that ends with this process, however it ends (a `sao run` killed by SIGKILL too)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     handle = open(log_path, "ab")
-    return subprocess.Popen([sys.executable, "-m", "sao.cli", *args], stdout=handle, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-m", "sao.cli", *args], stdout=handle, stderr=subprocess.STDOUT,
+                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
 
 
 def run(config: SaoConfig, console: Console) -> dict:
@@ -69,7 +73,8 @@ def run(config: SaoConfig, console: Console) -> dict:
     broker = None
     broker_cpu_s: float | None = None
     if config.broker.bootstrap_servers is None:
-        broker = EmbeddedBroker(port=config.broker.embedded_port or None, log_path=run_dir.log("broker"))
+        broker = EmbeddedBroker(port=config.broker.embedded_port or None, log_path=run_dir.log("broker"),
+                                die_with_parent=True)
         bootstrap = broker.start()
         console.print(f"embedded broker at [bold]{bootstrap}[/] (in-memory storage)")
     else:

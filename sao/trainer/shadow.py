@@ -12,7 +12,6 @@ standard errors of their paired difference on the same tasks.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import json
 import logging
@@ -27,6 +26,7 @@ from pathlib import Path
 from sao.config import SaoConfig
 from sao.policy.chain import read_version_state
 from sao.policy.weights import write_weights
+from sao.processes import die_with_parent
 from sao.run_dir import RunDir
 from sao.stats import paired_gain, stderr
 from sao.status import write_status
@@ -162,17 +162,6 @@ def run_in_background(cpus: set[int] | None) -> None:
     os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
     if cpus:
         os.sched_setaffinity(0, cpus)
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """In a child between fork and exec: the kernel sends it SIGTERM when the thread that started it exits, however
-    it exits (an exception, a signal, SIGKILL); a child whose parent is already gone exits at once."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def _scorer_child(cpus: set[int] | None, parent_pid: int) -> None:

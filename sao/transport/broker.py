@@ -9,6 +9,7 @@ listener.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -24,6 +25,8 @@ from typing import IO, Literal, TypedDict
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
+
+from sao import processes
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +204,11 @@ class EmbeddedBroker:
     """A Tansu broker owned by this process: start it, use `bootstrap_servers`, stop it."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None,
-                 cluster_id: str | None = None) -> None:
+                 cluster_id: str | None = None, die_with_parent: bool = False) -> None:
+        """`die_with_parent`: the broker gets SIGTERM when the thread that starts it exits (sao/processes.py), so
+        a `sao run` killed outright leaves no broker behind."""
         self.host = host
+        self._die_with_parent = die_with_parent
         self.port = port if port is not None else free_port(host)
         self.log_path = log_path
         self._fixed_cluster_id = cluster_id  # None: a fresh id on every start (memory storage keeps nothing)
@@ -232,6 +238,7 @@ class EmbeddedBroker:
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=subprocess.STDOUT,
+            preexec_fn=functools.partial(processes.die_with_parent, os.getpid()) if self._die_with_parent else None,
         )
         try:
             _wait_for_process(self._process, self.host, self.port, timeout, _log_hint(self.log_path))

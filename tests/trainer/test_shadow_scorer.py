@@ -12,6 +12,7 @@ import pytest
 from sao.config import load_config, to_toml
 from sao.run_dir import RunDir
 from sao.trainer.shadow import ShadowScorerProcess, background_cpus
+from support.pids import is_running
 
 
 @pytest.fixture
@@ -88,14 +89,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:"))
-    except (OSError, StopIteration):
-        return False
-    return " Z " not in state  # a zombie has exited: only its parent's wait is missing
-
-
 @pytest.mark.parametrize("end", ["raise", signal.SIGTERM])  # SIGKILL takes the path SIGTERM does here
 def test_the_scorer_never_outlives_the_trainer_that_started_it(end, tmp_path):
     config = load_config(overrides=['policy.model="tiny"'], environ={})
@@ -106,7 +99,7 @@ def test_the_scorer_never_outlives_the_trainer_that_started_it(end, tmp_path):
                                 "raise" if end == "raise" else "wait"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     scorer_pid = int(trainer.stdout.readline())
-    assert _alive(scorer_pid)  # still importing: it has not yet seen who its parent is
+    assert is_running(scorer_pid)  # still importing: it has not yet seen who its parent is
     if end == "raise":
         trainer.stdin.write("go\n")
         trainer.stdin.flush()
@@ -114,6 +107,6 @@ def test_the_scorer_never_outlives_the_trainer_that_started_it(end, tmp_path):
         trainer.send_signal(end)
     trainer.wait(60)
     deadline = time.monotonic() + 40  # the trainer's stop gives the scorer 30 s to end
-    while _alive(scorer_pid) and time.monotonic() < deadline:
+    while is_running(scorer_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(scorer_pid), f"the shadow scorer (pid {scorer_pid}) outlived its trainer ({end})"
+    assert not is_running(scorer_pid), f"the shadow scorer (pid {scorer_pid}) outlived its trainer ({end})"
