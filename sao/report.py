@@ -278,11 +278,15 @@ def decision_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("optimizer steps, last version", f"{_fmt(get('trainer_steps'))}, v{_fmt(get('policy_version'))}"),
         ("wall time of training", f"{_fmt(get('duration_s'))} s"),
         ("throughput", f"{_fmt(get('trajectories_per_s'))} trajectories/s"),
-        ("CPU utilisation", f"{_fmt(get('cpu_utilisation'))} of {_fmt(get('cores'))} cores"),
+        ("CPU busy", f"{_percent(get('cpu_utilisation'))} of {_fmt(get('cores'))} cores"),
         ("mean staleness", f"{_fmt(get('staleness_mean'))} versions"),
         ("peak memory, trainer / sampler", f"{_fmt(get('trainer_peak_rss_mb'))} / {_fmt(get('sampler_peak_rss_mb'))} MiB"),
     ]
     return rows
+
+
+def _percent(value: Any) -> str:
+    return f"{value:.0%}" if isinstance(value, (int, float)) and math.isfinite(value) else _fmt(value)
 
 
 def _signed(value: Any) -> str:

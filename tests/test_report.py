@@ -196,6 +196,7 @@ def test_the_printed_summary_fits_one_screen_and_leads_with_what_a_user_decides_
     assert rows["format-only ceiling"] == "0.75"
     assert rows["trajectories trained / produced"].startswith("24 / 24")
     assert rows["throughput"] == f"{24 / 42:.4g} trajectories/s"
+    assert dict(decision_rows({**summary, "cpu_utilisation": 0.876, "cores": 2}))["CPU busy"] == "88% of 2 cores"
     assert str(tmp_path) in screen and "docs/summary.md" in screen
     assert "trajectories_from_reloaded_policy" not in screen  # the rest stays in summary.json and report.md
     bare = dict(decision_rows({"trajectories_trained": 0}))
