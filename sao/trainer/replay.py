@@ -148,6 +148,9 @@ class Replay:
         batch = [self._trajectory(tuple(position)) for position in event["batch"]]
         if cfg.warmup_steps:
             set_learning_rate(built.engine, learning_rate_at(cfg, step + 1))
+        learning_rate = built.engine.optimizer.param_groups[0]["lr"]
+        if self.check and learning_rate != event["learning_rate"]:
+            raise ReplayMismatch(f"step {step + 1}: learning rate {learning_rate}, the run's {event['learning_rate']}")
         outcome = train_step(built.engine, plan_batch(batch, baseline, cfg, version),
                              lambda kept: plan_batch(kept, baseline, cfg, version), cfg, built.memory_width,
                              built.accumulation, base_policy=built.base_policy)

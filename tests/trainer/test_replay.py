@@ -90,7 +90,7 @@ def test_replay_with_another_knob_differs_from_step_one_and_writes_its_own_versi
     assert trained.returncode == 0, trained.stderr[-3000:]
 
     result = replay(run_dir, "--set", "trainer.learning_rate=1e-3")
-    assert result.returncode == 1 and "step 1, v1" in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 1 and "replay mismatch: step 1" in result.stderr, result.stderr[-3000:]
     out = tmp_path / "other"
     result = replay(run_dir, "--set", "trainer.learning_rate=1e-3", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
