@@ -128,8 +128,10 @@ class Judge:
         self.scorer.roller.weights_changed()
         self._label -= 1  # a label no published version has: Scorer.load then leaves the weights as they are
         self.scorer.loaded_version = self._label
-        scores, _ = self.scorer.score(self._label, self.tasks)
-        return {t: self._first_tries(scores).get(t, 0.0) for t in self.base}  # an env failure scores 0
+        scores, failures = self.scorer.score(self._label, self.tasks)
+        if failures:  # the scorer has logged them; counted wrong, as a run's judge would see no answer
+            print(f"the env failed on {len(failures)} held-out tasks (scored 0)", file=sys.stderr)
+        return {t: self._first_tries(scores).get(t, 0.0) for t in self.base}
 
     def sao_version(self, run_dir: Path, version: int) -> dict[str, float]:
         from sao.policy.chain import read_version_into
@@ -333,7 +335,7 @@ def show(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=160)
     skill = result["skill"]
     table = Table(title=f"held-out success, {result['minutes']:g} min a run, n={result['heldout_n']} "
                         f"(skill {skill}: n={result['skill_n']}; format-only ceiling {result['format_ceiling']:.3f})")
