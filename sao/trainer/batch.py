@@ -10,13 +10,13 @@ equal the full-batch loss: 1 rank and 2 ranks follow the same curve.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from sao.config import TrainerConfig
-from sao.policy.context import training_inputs
+from sao.policy.context import TurnInput, training_inputs
 from sao.policy.model import ScoringBatch, collate_turns
 from sao.schema import Trajectory
 from sao.trainer.baselines import RewardBaseline, mean_at_turn
@@ -27,9 +27,38 @@ from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
 @dataclass(frozen=True)
 class BatchPlan:
     trajectories: list[Trajectory]
-    advantages: list[list[float]]  # per trajectory, one per turn (step)
+    advantages: list[list[float]]  # per trajectory, one per row: each turn, then its hindsight row if it has one
     staleness: list[int]
     returns: list[list[float]]  # per trajectory, what each turn is credited with (`turn_returns`)
+    # trajectory index -> the retry whose answer is also trained as the first try's (`retry_hindsight`)
+    hindsight: dict[int, int] = field(default_factory=dict)
+
+    def alone(self, index: int) -> BatchPlan:
+        """The plan of one of its trajectories on its own, with the advantages this batch gave it."""
+        hindsight = {0: self.hindsight[index]} if index in self.hindsight else {}
+        return BatchPlan([self.trajectories[index]], [self.advantages[index]], [self.staleness[index]],
+                         [self.returns[index]], hindsight)
+
+
+def plan_rows(plan: BatchPlan, index: int) -> list[TurnInput]:
+    """What a trajectory of the plan trains on: each turn as sampled, then its hindsight row if it has one.
+
+    The hindsight row is the first turn's context answered with the better retry's action: the
+    answer the env's feedback led to, taught as the answer the question itself should get.
+    """
+    inputs = training_inputs(plan.trajectories[index])
+    retry = plan.hindsight.get(index)
+    if retry is not None:
+        inputs.append(replace(inputs[0], action_ids=inputs[retry].action_ids))
+    return inputs
+
+
+def better_retry(returns: list[float]) -> int | None:
+    """The retry to teach the first turn: the best-credited later turn, if it earned more than 0 and the first try."""
+    if len(returns) < 2:
+        return None
+    best = max(range(1, len(returns)), key=lambda turn: returns[turn])
+    return best if returns[best] > max(0.0, returns[0]) else None
 
 
 def turn_returns(trajectory: Trajectory, credit: str) -> list[float]:
@@ -57,13 +86,22 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     returns = [turn_returns(t, cfg.turn_credit) for t in batch]
     baselines = _group_means(batch, returns) if cfg.algorithm == "grpo" else baseline.values_for(batch, returns)
     advantages = [[g - b for g, b in zip(own, base)] for own, base in zip(returns, baselines)]
+    hindsight = {}
+    if cfg.retry_hindsight and cfg.turn_credit == "own_reward":  # own_reward: the turns are attempts at one question
+        hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
+        # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
+        hindsight = {index: retry for index, retry in hindsight.items()
+                     if plan_rows(BatchPlan([batch[index]], [], [], [], {0: retry}), 0)[-1].positions
+                     <= cfg.micro_batch_tokens}
+        for index, retry in hindsight.items():
+            advantages[index].append(advantages[index][retry])  # taught as strongly as the retry itself
     if cfg.scale_advantages:
-        flat = whiten(torch.tensor([a for turns in advantages for a in turns]), cfg.center_advantages).tolist()
-        advantages, start = [], 0
-        for own in returns:
-            advantages.append(flat[start:start + len(own)])
-            start += len(own)
-    return BatchPlan(batch, advantages, [policy_version - t.behaviour_version for t in batch], returns)
+        flat = whiten(torch.tensor([a for rows in advantages for a in rows]), cfg.center_advantages).tolist()
+        sizes, advantages, start = [len(rows) for rows in advantages], [], 0
+        for size in sizes:
+            advantages.append(flat[start:start + size])
+            start += size
+    return BatchPlan(batch, advantages, [policy_version - t.behaviour_version for t in batch], returns, hindsight)
 
 
 def _group_means(batch: list[Trajectory], returns: list[list[float]]) -> list[list[float]]:
@@ -98,7 +136,7 @@ def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajec
     """
     units: list[tuple[int, list[Row]]] = []  # (longest row, rows)
     for index in indices:
-        lengths = [x.positions for x in training_inputs(plan.trajectories[index])]
+        lengths = [x.positions for x in plan_rows(plan, index)]
         rows = [(index, turn) for turn in range(len(lengths))]
         units += [(max(lengths), rows)] if whole_trajectories else [(n, [row]) for n, row in zip(lengths, rows)]
     passes: list[list[Row]] = []
@@ -111,7 +149,7 @@ def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajec
 
 
 def all_rows(plan: BatchPlan, indices: list[int]) -> list[Row]:
-    return [(index, turn) for index in indices for turn in range(len(plan.trajectories[index].steps))]
+    return [(index, row) for index in indices for row in range(len(plan.advantages[index]))]
 
 
 def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: TrainerConfig,
@@ -126,14 +164,16 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
     for index, turn in rows if rows else [(0, 0)]:
         trajectory = plan.trajectories[index]
         if index not in steps_of:
-            steps_of[index] = training_inputs(trajectory)
+            steps_of[index] = plan_rows(plan, index)
         fresh = cfg.freshness_decay ** plan.staleness[index] if rows else 0.0
         inputs.append(steps_of[index][turn])
         row_weights.append(plan.advantages[index][turn] * fresh)
-        behaviour.append(torch.from_numpy(trajectory.steps[turn].behaviour_logprobs.copy()))
+        sampled = turn < len(trajectory.steps)  # else the hindsight row: never sampled there, so no behaviour log-probs
+        behaviour.append(torch.from_numpy(trajectory.steps[turn].behaviour_logprobs.copy()) if sampled else
+                         torch.full((len(steps_of[index][turn].action_ids),), float("nan")))
         temperatures.append(trajectory.temperature)
         row_trajectory.append(local.setdefault(index, len(local)))
-        returns.append(plan.returns[index][turn])  # the value head's target
+        returns.append(plan.returns[index][turn if sampled else plan.hindsight[index]])  # the value head's target
         freshness.append(fresh)
     device = engine.device
     scoring = collate_turns(inputs, memory_width, temperatures).to(device)
@@ -146,10 +186,12 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
             base_logprobs = _score(base_policy, scoring, cfg.length_buckets)
     if not cfg.value_head:
         logprobs = _score(engine, scoring, cfg.length_buckets)
+        behaviour_logprobs = _on_policy_where_unsampled(behaviour_logprobs, logprobs)
         return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask,
                                       torch.tensor(row_weights, device=device),
                                       torch.tensor(row_trajectory, device=device), normaliser, base_logprobs), cfg)
     logprobs, values = _score(engine, scoring, cfg.length_buckets, with_values=True)
+    behaviour_logprobs = _on_policy_where_unsampled(behaviour_logprobs, logprobs)
     targets = torch.tensor(returns, device=device)
     weights = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
     loss, stats = policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, weights,
@@ -158,6 +200,11 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
     value_loss = ((values - targets) ** 2 * live).sum() / normaliser
     total = loss + cfg.value_coef * value_loss
     return total, replace(stats, loss=float(total.detach()), value_loss=float(value_loss.detach()))
+
+
+def _on_policy_where_unsampled(behaviour_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Hindsight rows (NaN behaviour) count as drawn from the current policy: ratio 1, a plain policy gradient."""
+    return torch.where(torch.isnan(behaviour_logprobs), logprobs.detach(), behaviour_logprobs)
 
 
 # A split costs one more pass of fixed overhead (ZeRO-3 gathers and hooks per module); below this

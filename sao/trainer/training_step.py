@@ -144,7 +144,7 @@ def _unscorable(engine, plan: BatchPlan, cfg: TrainerConfig,
     """The trajectories of `plan` that raise when scored alone (forward only), with their errors."""
     failed = []
     for index, trajectory in enumerate(plan.trajectories):
-        alone = BatchPlan([trajectory], [plan.advantages[index]], [plan.staleness[index]], [plan.returns[index]])
+        alone = plan.alone(index)
         try:
             with torch.no_grad():
                 rank_loss(engine, alone, all_rows(alone, [0]), 1.0, cfg, memory_width)

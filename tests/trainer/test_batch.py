@@ -256,3 +256,40 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget():
     for index in range(12):
         assert len({n for n, rows in enumerate(whole) for i, _ in rows if i == index}) == 1
     assert micro_batches(plan, [], budget, False) == []
+
+
+def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_policy_gradient(tiny_config):
+    """A right retry after a wrong first try also trains the first turn's context with the retry's answer,
+    at the retry's advantage and ratio 1 (it was never sampled there); the baselines learn only real turns."""
+    from sao.policy.weights import build_policy
+    from sao.trainer.batch import all_rows, plan_rows, rank_loss
+
+    class Engine:
+        def __init__(self, module):
+            self.module, self.device = module, torch.device("cpu")
+
+        def __call__(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    right_retry = retry("a", 0.5)
+    right_retry.steps[1] = replace(right_retry.steps[1], action_ids=np.array([7, 8, 9, 2], np.int32),
+                                   behaviour_logprobs=np.full(4, -1.0, np.float32))
+    batch = [right_retry, retry("b", -0.5), trajectory("c", 1.0)]
+    cfg = TrainerConfig(retry_hindsight=True, turn_credit="own_reward", scale_advantages=False)
+    baseline = RewardBaseline(key="env")
+    plan = plan_batch(batch, baseline, cfg, policy_version=0)
+    assert plan.hindsight == {0: 1}  # a wrong retry teaches nothing
+    first, second, taught = plan_rows(plan, 0)
+    assert np.array_equal(taught.context_ids, first.context_ids) and np.array_equal(taught.action_ids, second.action_ids)
+    assert plan.advantages[0] == pytest.approx([0.0, 0.5, 0.5]) and len(plan.advantages[1]) == 2
+    assert all_rows(plan, [0]) == [(0, 0), (0, 1), (0, 2)]
+    assert plan_batch(batch, baseline, TrainerConfig(retry_hindsight=True), 0).hindsight == {}  # reward_to_go credit
+    assert plan_batch(batch, baseline, cfg.model_copy(update={"retry_hindsight": False}), 0).hindsight == {}
+
+    policy = build_policy(tiny_config.policy, 8)
+    loss, stats = rank_loss(Engine(policy), plan, [(0, 2)], 1, cfg, 8)
+    assert stats.ratio_mean == pytest.approx(1.0) and stats.tokens == 4 and torch.isfinite(loss)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+    record_rewards(plan, baseline)
+    assert set(baseline.values) == {"env:arithmetic", "env:arithmetic:turn1"}
