@@ -33,14 +33,21 @@ def rewrite_log(source: Path, target: Path, change) -> None:
             out.write(len(payload).to_bytes(4, "little") + payload)
 
 
+def trained_run(bootstrap: str, prefix: str, tmp_path: Path, entry: list[str] | None = None, env=None,
+                **knobs) -> Path:
+    """A tiny trainer run over `produce_trajectories`' messages with these [trainer] knobs; its run folder."""
+    produce_trajectories(bootstrap, prefix)
+    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
+    write_config(config, prefix, **knobs)
+    trained = subprocess.run(trainer_command(config, bootstrap, run_dir, entry=entry), capture_output=True, text=True,
+                             timeout=300, env=env)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return run_dir
+
+
 def test_replay_rebuilds_every_published_version_and_names_the_first_difference(kafka_bootstrap, unique_topic_prefix,
                                                                                  tmp_path):
-    produce_trajectories(kafka_bootstrap, unique_topic_prefix)
-    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
-    write_config(config, unique_topic_prefix, keep_versions=100)
-    trained = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir), capture_output=True, text=True,
-                             timeout=300)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = trained_run(kafka_bootstrap, unique_topic_prefix, tmp_path, keep_versions=100)
 
     records = list(read_records(run_dir / "trajectory-log.bin"))
     kinds = [record["kind"] for record in records]
@@ -82,12 +89,7 @@ def test_replay_rebuilds_every_published_version_and_names_the_first_difference(
 @pytest.mark.slow
 def test_replay_with_another_knob_differs_from_step_one_and_writes_its_own_versions(kafka_bootstrap,
                                                                                    unique_topic_prefix, tmp_path):
-    produce_trajectories(kafka_bootstrap, unique_topic_prefix)
-    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
-    write_config(config, unique_topic_prefix, max_steps=2)
-    trained = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir), capture_output=True, text=True,
-                             timeout=300)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = trained_run(kafka_bootstrap, unique_topic_prefix, tmp_path, max_steps=2)
 
     result = replay(run_dir, "--set", "trainer.learning_rate=1e-3")
     assert result.returncode == 1 and "replay mismatch: step 1" in result.stderr, result.stderr[-3000:]
@@ -135,13 +137,9 @@ def test_replay_after_a_kill_9_and_resume_rebuilds_the_surviving_lineage(kafka_b
 
 @pytest.mark.slow
 def test_replay_follows_a_rollback_where_the_log_puts_it(kafka_bootstrap, unique_topic_prefix, tmp_path):
-    produce_trajectories(kafka_bootstrap, unique_topic_prefix)
-    config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
-    write_config(config, unique_topic_prefix, keep_versions=100, shadow_every=1)
     entry = [str(Path(__file__).parents[1] / "support" / "rollback_trainer.py")]
-    trained = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, entry=entry), capture_output=True,
-                             text=True, timeout=300, env=shadow_on())
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = trained_run(kafka_bootstrap, unique_topic_prefix, tmp_path, entry, shadow_on(), keep_versions=100,
+                          shadow_every=1)
     records = list(read_records(run_dir / "trajectory-log.bin"))
     [rollback] = [record for record in records if record["kind"] == "rollback"]
     assert rollback["step"] == 3 and rollback["to_version"] == 1 and rollback["published_as"] == 4
