@@ -73,8 +73,9 @@ class Replay:
         if first["step"] != 0:
             raise ReplayMismatch(f"{self.run_dir.trajectory_log} starts at step {first['step']}, not at the base "
                                  "weights (its trainer resumed after the log was lost): nothing to replay from")
-        if first["world_size"] != 1:
-            raise ReplayMismatch(f"the run trained on {first['world_size']} ranks; replay rebuilds 1-rank runs only")
+        ranks = max(life["world_size"] for life in self.log.events if life["kind"] == "life")
+        if ranks != 1:
+            raise ReplayMismatch(f"the run trained on {ranks} ranks; replay rebuilds 1-rank runs only")
         self.overrides = list(overrides or [])
         # Another setting written elsewhere is meant to give other versions; alone, it shows where they part.
         self.check = out is None or not self.overrides
