@@ -452,12 +452,12 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
     checked against the run's state_sha256, and the first difference ends it (exit 1) naming step and tensor."""
     _setup_logging()
     from sao.trainer.archive import ArchiveError
-    from sao.trainer.replay import ReplayMismatch
+    from sao.trainer.replay import CannotReplay, ReplayMismatch
     from sao.trainer.replay import replay as replay_run
 
     try:
         result = replay_run(run_dir, set_, out)
-    except (ConfigError, ArchiveError) as err:
+    except (ConfigError, ArchiveError, CannotReplay) as err:
         console.print(f"[red]cannot replay:[/] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(2) from err
     except ReplayMismatch as err:

@@ -47,6 +47,10 @@ class ReplayMismatch(RuntimeError):
     """A rebuilt version, or a step's inputs, differ from what the run recorded."""
 
 
+class CannotReplay(ValueError):
+    """The log does not start at the base weights, or the run is one replay cannot rebuild."""
+
+
 @dataclass
 class ReplayResult:
     steps: int = 0  # optimizer steps replayed
@@ -71,11 +75,11 @@ class Replay:
         self.log = TrajectoryLog.read(self.run_dir.trajectory_log)
         first = self.log.first_life()
         if first["step"] != 0:
-            raise ReplayMismatch(f"{self.run_dir.trajectory_log} starts at step {first['step']}, not at the base "
+            raise CannotReplay(f"{self.run_dir.trajectory_log} starts at step {first['step']}, not at the base "
                                  "weights (its trainer resumed after the log was lost): nothing to replay from")
         ranks = max(life["world_size"] for life in self.log.events if life["kind"] == "life")
         if ranks != 1:
-            raise ReplayMismatch(f"the run trained on {ranks} ranks; replay rebuilds 1-rank runs only")
+            raise CannotReplay(f"the run trained on {ranks} ranks; replay rebuilds 1-rank runs only")
         self.overrides = list(overrides or [])
         # Another setting written elsewhere is meant to give other versions; alone, it shows where they part.
         self.check = out is None or not self.overrides

@@ -12,8 +12,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from sao.run_dir import RunDir
 from sao.schema import Trajectory, decode, encode
-from sao.trainer.archive import MAGIC, read_records
+from sao.trainer.archive import MAGIC, TrajectoryArchive, read_records
+from sao.trainer.replay import CannotReplay, Replay
 from support.fault_runs import fault_rng, fault_seed
 from support.shadow_env import shadow_on
 from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, wait_for_step, write_config
@@ -149,3 +151,12 @@ def test_replay_follows_a_rollback_where_the_log_puts_it(kafka_bootstrap, unique
     result = replay(run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{len(hashes)} of {len(hashes)} versions match" in result.stderr
+
+
+@pytest.mark.parametrize(("step", "ranks", "refusal"), [(3, 1, "starts at step 3"), (0, 2, "trained on 2 ranks")])
+def test_a_log_replay_cannot_rebuild_from_is_refused_before_any_model_loads(tmp_path, step, ranks, refusal):
+    archive = TrajectoryArchive(RunDir(tmp_path).trajectory_log)
+    archive.life(step, 0, step > 0, ranks, "")
+    archive.close()
+    with pytest.raises(CannotReplay, match=refusal):
+        Replay(tmp_path)
