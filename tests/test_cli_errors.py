@@ -59,6 +59,8 @@ def test_every_command_that_talks_to_a_broker_names_an_unreachable_one_within_th
     (["audit", "--run-dir", ".", "--quiet-s", "0"], "--quiet-s"),
     (["eval", "--num-tasks", "0"], "--num-tasks"),
     (["sampler", "--metrics-port", "70000"], "--metrics-port"),
+    (["compression", "record", "--out", "x.jsonl", "--start-index", "-1"], "--start-index"),
+    (["compression", "train", "--max-messages", "0"], "--max-messages"),
 ])
 def test_a_numeric_flag_out_of_range_is_refused_naming_it(command, flag):
     result = _invoke(*command)

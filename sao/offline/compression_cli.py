@@ -39,7 +39,7 @@ SeedOpt = Annotated[int, typer.Option(help="Seed of the agents, the worlds (env.
 EncoderOpt = Annotated[str | None, typer.Option(
     help="Sentence encoder path or name (default: compression.encoder).")]
 NoiseOpt = Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")]
-MaxMessagesOpt = Annotated[int | None, typer.Option(help="With --bootstrap-servers: read at most this many.")]
+MaxMessagesOpt = Annotated[int | None, typer.Option(min=1, help="With --bootstrap-servers: read at most this many.")]
 KeepRatioOpt = Annotated[float, typer.Option(min=0.01, max=1.0, help="Calibrate the threshold to keep this share of steps.")]
 WeightsOpt = Annotated[Path | None, typer.Option(help="Filter weights (default: compression.temporal_weights).")]
 ThresholdOpt = Annotated[float | None, typer.Option(
@@ -117,7 +117,7 @@ def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (
            agent: AgentOpt = "noisy",
            noise: NoiseOpt = 0.2,
            seed: SeedOpt = 0,
-           start_index: Annotated[int, typer.Option(help="First task index.")] = 0,
+           start_index: Annotated[int, typer.Option(min=0, help="First task index.")] = 0,
            config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Record episodes of the scripted agents to a JSONL file (world shape: --set env.options.size=12 …)."""
     from sao.offline.episodes import write_episodes
