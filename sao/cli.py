@@ -399,7 +399,9 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
 
 
 @app.command("eval")
-def eval_(config: ConfigOpt = None, set_: SetOpt = None,
+def eval_(config: Annotated[Path | None, typer.Option(
+              "--config", "-c", help="The run's TOML config (default: RUN_DIR/config.toml).")] = None,
+          set_: SetOpt = None,
           run_dir: Annotated[Path | None, typer.Option(
               help="Run directory whose policy/ holds the versions; default: the newest under runs/.")] = None,
           version: Annotated[str, typer.Option(
@@ -414,6 +416,8 @@ def eval_(config: ConfigOpt = None, set_: SetOpt = None,
     """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
     run_dir = _run_dir(run_dir)
+    if config is None and RunDir(run_dir).config.is_file():  # the run's env, model and settings
+        config = RunDir(run_dir).config
     cfg = _config(config, set_)
     _check_env(cfg)
     from sao.policy.weights import WeightsMismatch

@@ -105,3 +105,8 @@ def test_eval_export_and_shadow_use_the_newest_run_and_name_it(tmp_path, monkeyp
     assert result.exit_code == 2 and "`best` or `final`" in result.output
     assert "run directory: runs/newer (the newest under runs/" in result.output
     assert not (tmp_path / "out").exists()  # never the base model, silently
+    # eval reads the run's own config: its dataset here, with an option that dataset lacks.
+    (tmp_path / "runs" / "newer" / "config.toml").write_text(
+        '[env]\ndataset = "chain_sum"\ndataset_options = { allow_parentheses = false }\n')
+    result = _invoke("eval")
+    assert result.exit_code == 2 and "env.dataset_options.allow_parentheses: chain_sum" in result.output
