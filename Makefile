@@ -17,7 +17,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run lint test test-fast clean-runs
+.PHONY: install run lint test test-fast clean-runs stack stack-down
 
 install: $(STAMP)
 
@@ -55,3 +55,11 @@ test-fast: install lint
 
 clean-runs:
 	rm -rf runs
+
+# The compose stack (deploy/README.md): finds or installs a container engine, builds the images it
+# cannot pull, starts it with SAO_SAMPLERS samplers and prints where metrics and the run directory are.
+stack:
+	$(PYTHON) deploy/stack.py up
+
+stack-down:
+	$(PYTHON) deploy/stack.py down

@@ -8,30 +8,19 @@ prometheus; .ci/run installs it where it can).
 
 from __future__ import annotations
 
-import json
-import math
 import shutil
 import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
 import yaml
 
+from support.dashboard import panels_without_data, prometheus_get
 from support.shadow_env import shadow_on
 
 PROMETHEUS = shutil.which("prometheus")
-
-# Series that exist only once something went wrong: a clean run leaves their panels empty.
-ONLY_AFTER_AN_ERROR = {
-    "sao_dlq_messages_total",  # dead letters (too-stale ones included)
-    "sao_transport_duplicates_total",  # redelivered tasks
-    "sao_trainer_skipped_steps_total",  # non-finite loss or gradient
-    "sao_transport_announcements_refused_total",  # bad policy announcements
-}
 
 
 def _free_ports(count: int, consecutive: int = 1) -> list[int]:
@@ -55,17 +44,6 @@ def _free_ports(count: int, consecutive: int = 1) -> list[int]:
         if base not in ports:
             return [*ports, *range(base, base + consecutive)]
     raise RuntimeError("no free loopback ports")
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
-
-
-def _panel_queries(deploy_dir) -> list[tuple[str, str]]:
-    dashboard = json.loads((deploy_dir / "grafana" / "dashboards" / "sao-pipeline.json").read_text())
-    panels = [*dashboard["panels"], *(inner for p in dashboard["panels"] for inner in p.get("panels", []))]
-    return [(panel["title"], target["expr"]) for panel in panels for target in panel.get("targets", [])]
 
 
 @pytest.mark.slow
@@ -96,18 +74,11 @@ def test_every_dashboard_query_has_data_from_a_live_run(deploy_dir, metric_names
         result = subprocess.run(command, capture_output=True, text=True, timeout=500, env=shadow_on())
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         ended = time.time()
-        targets = _get(f"{api}/targets")["data"]["activeTargets"]
+        targets = prometheus_get(f"{api}/targets")["data"]["activeTargets"]
         assert {t["labels"]["job"] for t in targets} == set(jobs), targets
 
-        empty = []
-        for title, expr in _panel_queries(deploy_dir):
-            query = urllib.parse.urlencode({"query": expr.replace("$__rate_interval", "10s"), "start": started,
-                                            "end": ended, "step": 1})
-            series = _get(f"{api}/query_range?{query}")["data"]["result"]
-            if not any(math.isfinite(float(value)) for s in series for _, value in s["values"]):
-                empty.append((title, expr))
-        unexpected = [(title, expr) for title, expr in empty if not metric_names_in(expr) & ONLY_AFTER_AN_ERROR]
-        assert not unexpected, f"panels with no data from a clean run: {unexpected}"
+        empty = panels_without_data(api, started, ended, rate_interval="10s", step=1, metric_names_in=metric_names_in)
+        assert not empty, f"panels with no data from a clean run: {empty}"
     finally:
         prometheus.terminate()
         prometheus.wait(30)
