@@ -275,6 +275,8 @@ def benchmark(args: argparse.Namespace, extra: list[str]) -> dict:
                 points.append({**point, "at_s": moment})
             runs.append({"arm": arm, "seed": seed, "wall_s": wall_s, "checkpoints": len(checkpoints),
                          "points": points})
+            # What is judged so far survives a benchmark stopped before its end.
+            (work / "partial.json").write_text(json.dumps(runs, indent=1, default=str))
             if not args.keep_weights:
                 if arm == "sao":
                     RunDir(folder).drop_weights()
@@ -376,7 +378,9 @@ def plot(result: dict, path: Path) -> None:
     for run in result["runs"]:
         for row, key in enumerate(("overall", "skill")):
             for column, x in enumerate(("wall_s", "tokens")):
-                axes[row][column].plot([p[x] for p in run["points"]], [p[key] for p in run["points"]], marker="o",
+                # Every curve starts from the base model at 0 s and 0 tokens.
+                axes[row][column].plot([0] + [p[x] for p in run["points"]],
+                                       [result["base"][key]] + [p[key] for p in run["points"]], marker="o",
                                        label=f"{run['arm']} seed {run['seed']}")
     for column, x in enumerate(("wall time (s)", "generated tokens")):
         axes[0][column].axhline(result["base"]["overall"], color="grey", linestyle=":", label="base")
