@@ -254,7 +254,7 @@ def decision_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"held-out first-try success, base v0 -> final v{_fmt(get('policy_version'))}",
                      f"{_fmt(get('heldout_base'))} -> {_fmt(get('heldout_final'))} (gain "
                      f"{_signed(get('heldout_gain'))} ± {_fmt(get('heldout_gain_stderr'))}, n={get('heldout_n')})"))
-        if get("kept_version") is not None and get("heldout_kept") is not None:
+        if get("heldout_kept") is not None and get("kept_version") not in (None, get("policy_version")):
             rows.append((f"kept by shadow validation: v{get('kept_version')}",
                          f"{_fmt(get('heldout_kept'))} (gain {_signed(get('heldout_kept_gain'))} ± "
                          f"{_fmt(get('heldout_kept_gain_stderr'))}; RUN_DIR/policy/best)"))

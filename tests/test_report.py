@@ -199,6 +199,8 @@ def test_the_printed_summary_fits_one_screen_and_leads_with_what_a_user_decides_
     assert dict(decision_rows({**summary, "cpu_utilisation": 0.876, "cores": 2}))["CPU busy"] == "88% of 2 cores"
     assert str(tmp_path) in screen and "docs/summary.md" in screen
     assert "trajectories_from_reloaded_policy" not in screen  # the rest stays in summary.json and report.md
+    kept_is_final = dict(decision_rows({**summary, "kept_version": summary["policy_version"]}))
+    assert not any(name.startswith("kept by") for name in kept_is_final)  # the final row says it already
     bare = dict(decision_rows({"trajectories_trained": 0}))
     assert bare["held-out evaluation"].startswith("none")
 
