@@ -176,6 +176,15 @@ def cpu_accounting(layout: RunDir, trainer: dict[str, Any], samplers: dict[str, 
             "sampler_idle_ratio": mean([r for r in sampler_idle if r is not None])}
 
 
+def tasks_fed(config: SaoConfig, layout: RunDir) -> int:
+    """Tasks the feeder sent, from its progress file (a run stopped by run.max_minutes sends fewer than
+    run.num_tasks; grpo sends each task group_size times); run.num_tasks where the file is missing."""
+    fed = read_status(layout.status("feeder")).get("fed")
+    if not isinstance(fed, int):
+        return config.run.num_tasks
+    return fed // (config.trainer.group_size if config.trainer.algorithm == "grpo" else 1)
+
+
 def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
     """The run's figures, from the progress files: what `sao run` prints and writes to summary.json.
 
@@ -200,7 +209,7 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "trajectories_produced": sum(s.get("produced", 0) for s in samplers.values()),
         "trajectories_trained": len(rewards),
         "duplicates_dropped": progress.duplicates,
-        "tasks_fed": config.run.num_tasks,
+        "tasks_fed": tasks_fed(config, layout),
         "algorithm": "sao" if config.trainer.algorithm == "sao" else f"grpo (group {config.trainer.group_size})",
         "trainer_steps": progress.step,
         "policy_version": progress.policy_version,

@@ -212,3 +212,10 @@ def test_docs_summary_md_explains_every_key_of_summary_json_and_no_other(tmp_pat
     explained = re.findall(r"^\| `(\w+)` \|", legend, flags=re.M)
     assert len(explained) == len(set(explained))
     assert sorted(explained) == sorted(_full_summary(tmp_path))
+
+
+def test_tasks_fed_is_what_the_feeder_sent_not_what_was_asked(tmp_path):
+    _synthetic_run(tmp_path)
+    assert build_summary(SaoConfig(), tmp_path, duration_s=1.0)["tasks_fed"] == SaoConfig().run.num_tasks  # no file
+    write_status(tmp_path / "status" / "feeder.json", {"mode": "async", "fed": 40})  # a budget ended it early
+    assert build_summary(SaoConfig(), tmp_path, duration_s=1.0)["tasks_fed"] == 40
