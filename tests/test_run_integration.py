@@ -80,6 +80,11 @@ def test_sao_run_trains_through_kafka(tmp_path):
     assert all(score["n"] == 3 for score in board["scores"].values())
     assert summary["shadow_best"]["version"] == board["best"]["version"] == heldout["kept_version"]
     assert summary["rollbacks"] == []
+    # The trainer's trajectory log rebuilds every version it published, bit for bit, without the broker.
+    replayed = subprocess.run([sys.executable, "-m", "sao.cli", "replay", str(run_dir)], capture_output=True, text=True,
+                              timeout=300)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    assert f"{summary['policy_version']} of {summary['policy_version']} versions match" in replayed.stderr
     groups = summary["reward_by_version"]
     assert sum(g["n"] for g in groups) == tasks and [g["version"] for g in groups] == sorted({g["version"] for g in groups})
     assert (summary["reward_first_version"], summary["reward_last_version"]) == (groups[0]["mean"], groups[-1]["mean"])
