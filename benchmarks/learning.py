@@ -44,7 +44,9 @@ KEYS = ("heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr", 
         "heldout_second_try_final_stderr", "heldout_second_try_n", "heldout_second_try_penalised_base",
         "heldout_second_try_penalised_final", "kept_version", "heldout_kept", "heldout_kept_gain",
         "heldout_kept_gain_stderr", "shadow_drops", "policy_version", "duration_s", "shadow_scorer_cpu_s",
-        "shadow_snapshot_s", "trainer_idle_ratio")
+        "shadow_snapshot_s", "trainer_idle_ratio", "heldout_skill", "heldout_skill_n", "heldout_skill_base",
+        "heldout_skill_final", "heldout_skill_final_gain", "heldout_skill_final_gain_stderr", "heldout_skill_kept",
+        "heldout_format_ceiling")
 
 
 def run_seed(seed: int, runs_dir: Path, extra: list[str], keep_weights: bool = False) -> dict:
@@ -99,7 +101,19 @@ def over_seeds(results: list[dict]) -> dict:
             "base": sum(r["heldout_base"] for r in results) / len(results),
             "positive": sum(g > 0 for g in gains), "seeds": len(results),
             "worst_gain": min(gains), "below_zero": sum(g < 0 for g in gains) / len(gains),
-            **_kept_over_seeds(results)}
+            **_kept_over_seeds(results), **_skill_over_seeds(results)}
+
+
+def _skill_over_seeds(results: list[dict]) -> dict:
+    """The final versions' gain on the skill the base model lacks, where the env tags one, with the
+    format-only ceiling beside it: what a model that only fixed the reply's form would score."""
+    skill = [r["heldout_skill_final_gain"] for r in results if r.get("heldout_skill_final_gain") is not None]
+    if not skill:
+        return {}
+    return {"skill": results[0]["heldout_skill"], "skill_gain": mean(skill), "skill_gain_stderr_seeds": stderr(skill),
+            "skill_worst_gain": min(skill), "skill_above_base": sum(g > 0 for g in skill), "skill_runs": len(skill),
+            "format_ceiling": mean([r["heldout_format_ceiling"] for r in results]),
+            "above_format_ceiling": sum(r["heldout_final"] > r["heldout_format_ceiling"] for r in results)}
 
 
 def _kept_over_seeds(results: list[dict]) -> dict:
@@ -140,13 +154,16 @@ def main() -> None:
     if not results:
         raise SystemExit("every seed failed")
     table = Table(title="default run: greedy first-try success on held-out tasks, base model vs final version")
-    for column in ("seed", "n", "base", "final", "gain ± s.e.", "second try: base -> final (n)",
+    for column in ("seed", "n", "base", "final", "gain ± s.e.", "skill: base -> final (n)", "second try: base -> final (n)",
                    "no new answer: base -> final", "kept v: gain ± s.e.", "drops/rollbacks", "KL end", "KL to base end",
                    "reward v first/last", "staleness", "|rho-1|", "shadow cpu / snapshot s", "train s", "wall s"):
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(str(r["seed"]), str(r["heldout_n"]), f"{r['heldout_base']:.3f}", f"{r['heldout_final']:.3f}",
                       f"{r['heldout_gain']:+.3f} ± {_fmt(r['heldout_gain_stderr'], '.3f')}",
+                      "-" if r["heldout_skill"] is None else
+                      f"{r['heldout_skill']}: {r['heldout_skill_base']:.3f} -> {r['heldout_skill_final']:.3f} "
+                      f"({r['heldout_skill_n']})",
                       f"{_fmt(r['heldout_second_try_base'], '.3f')} -> {_fmt(r['heldout_second_try_final'], '.3f')} ± "
                       f"{_fmt(r['heldout_second_try_final_stderr'], '.3f')} ({r['heldout_second_try_n']})",
                       f"{_fmt(r['heldout_second_try_penalised_base'], '.2f')} -> "
@@ -169,6 +186,11 @@ def main() -> None:
                   f"± {_fmt(tasks_se, '.3f')} over tasks; base {total['base']:.3f}; "
                   f"gain > 0 in {total['positive']} of {total['seeds']}; worst {total['worst_gain']:+.3f}, "
                   f"{total['below_zero']:.0%} of runs below zero")
+    if "skill_gain" in total:
+        console.print(f"skill {total['skill']}: mean gain {total['skill_gain']:+.3f} ± "
+                      f"{_fmt(total['skill_gain_stderr_seeds'], '.3f')} across {total['skill_runs']} runs, above the base "
+                      f"in {total['skill_above_base']}, worst {total['skill_worst_gain']:+.3f}; format-only ceiling "
+                      f"{total['format_ceiling']:.3f}, final above it in {total['above_format_ceiling']} of {total['seeds']}")
     if "kept_gain" in total:
         console.print(f"kept (best) version: mean gain {total['kept_gain']:+.3f} ± "
                       f"{_fmt(total['kept_gain_stderr_seeds'], '.3f')} across {total['kept_runs']} runs; worst "

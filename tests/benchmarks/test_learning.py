@@ -44,3 +44,10 @@ def test_one_tiny_seed_gives_the_headline_of_its_summary(tmp_path):
     assert result["gain_stderr_seeds"] is None  # one seed has no spread across seeds
     assert result["second_try"] == summary["heldout_second_try_final"]  # None if every first answer was right
     assert result["second_try_base"] == summary["heldout_second_try_base"]
+    # The skill figure and the format-only ceiling travel with it, where the held-out tasks hold the skill.
+    assert run["heldout_format_ceiling"] == summary["heldout_format_ceiling"]
+    if summary.get("heldout_skill_final_gain") is not None:
+        assert result["skill"] == summary["heldout_skill"]
+        assert result["skill_gain"] == pytest.approx(summary["heldout_skill_final_gain"])
+    else:
+        assert "skill_gain" not in result
