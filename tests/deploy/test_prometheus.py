@@ -50,6 +50,12 @@ def test_compose_scrape_targets_are_the_ports_the_services_serve(deploy_dir):
         assert host == service and f"--metrics-port {port}" in command, (job, command)
 
 
+def test_small_run_config_scrapes_the_stack_jobs_faster(deploy_dir):
+    assert _targets(deploy_dir / "prometheus" / "prometheus-small.yml") == _targets(deploy_dir / "prometheus" / "prometheus.yml")
+    small = yaml.safe_load((deploy_dir / "prometheus" / "prometheus-small.yml").read_text())
+    assert small["global"]["scrape_interval"] == "1s"
+
+
 def test_local_scrape_targets_are_the_default_ports(deploy_dir):
     defaults = MetricsConfig()
     jobs = _targets(deploy_dir / "prometheus" / "prometheus-local.yml")
@@ -65,6 +71,7 @@ PROMTOOL = shutil.which("promtool")
 @pytest.mark.parametrize("args", [
     ["check", "config", "prometheus.yml"],
     ["check", "config", "prometheus-local.yml"],
+    ["check", "config", "prometheus-small.yml"],
     ["check", "rules", "alerts.yml"],
     ["test", "rules", "alerts.test.yml"],
 ], ids=lambda args: " ".join(args))
