@@ -44,6 +44,8 @@ NOT_RUN_HERE = {
     "sao_sampler_weights_fetch_seconds",  # policy.transport = "kafka" only
     "sao_trainer_weights_send_seconds",  # policy.transport = "kafka" only
     "sao_policy_heldout_success",  # shadow validation, off in docker-compose.small.yml
+    "sao_heldout_skill_success",  # the held-out comparison at the end of `sao run`: no launcher in the stack
+    "sao_heldout_format_ceiling",
 }
 
 
