@@ -91,7 +91,10 @@ class HumanEvalEnv:
     generation_defaults = GenerationDefaults(
         system_prompt="You are an expert Python programmer. Reply with the complete function in one "
                       "```python code block.",
-        max_new_tokens=384)
+        max_new_tokens=384,
+        # A closed block then a blank line ends the reply: what would follow (prose, a usage example) is never
+        # what should run, and every token of it costs a forward pass in training, shadow and held-out scoring.
+        stop=("```\n\n",))
 
     @classmethod
     def from_config(cls, config: EnvConfig) -> HumanEvalEnv:

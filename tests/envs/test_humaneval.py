@@ -19,6 +19,7 @@ from sao.envs.humaneval import HumanEvalEnv, extract_code, problems, split_probl
 from sao.envs.humaneval_harness import NotPlainData, decode, dump
 from sao.envs.registry import env_class, make_env, make_tasks
 from sao.envs.sandbox_launch import UID_BASE
+from sao.policy.sampling import StopRule
 
 FAST = SandboxConfig(cpu_time_s=1, wall_time_s=2, memory_mb=256, max_processes=8, max_file_mb=2)
 CONFIG = EnvConfig(name="humaneval", max_turns=2, retry_discount=0.5, sandbox=FAST)
@@ -69,6 +70,19 @@ def test_tasks_cycle_the_split_with_unique_ids():
 ])
 def test_extract_code(reply, code):
     assert extract_code(reply) == code
+
+
+def test_a_reply_ends_after_its_code_block():
+    """The env's stop string ends a reply at its block: no tokens spent on what follows, and a usage example
+    after it is not what runs."""
+    stop = StopRule(frozenset(), HumanEvalEnv.generation_defaults.stop, decode=lambda ids: "".join(map(chr, ids)))
+    reply = "```python\ndef add(a, b):\n    return a + b\n```\n\nExample:\n```python\nprint(add(1, 2))\n```\n"
+    ends = next(n for n in range(1, len(reply) + 1) if stop.ends([ord(c) for c in reply[:n]]))
+    assert reply[:ends].endswith("return a + b\n```\n\n")
+    assert extract_code(stop.cut(reply)) == "def add(a, b):\n    return a + b"
+    assert extract_code(reply) == "print(add(1, 2))"  # without the stop, the example would run
+    for opening in ("```python\n\ndef f():", "Sure:\n```\ndef f():"):  # an opening fence goes on
+        assert not any(stop.ends([ord(c) for c in opening[:n]]) for n in range(1, len(opening) + 1)), opening
 
 
 def test_prompt_shows_the_signature_and_docstring():
