@@ -205,7 +205,8 @@ class ArithmeticEnv:
     @classmethod
     def from_config(cls, config: EnvConfig) -> ArithmeticEnv:
         return cls(max_turns=config.max_turns, retry_discount=config.retry_discount,
-                   answer_format=config.answer_format, repeat_penalty=config.repeat_penalty)
+                   answer_format=config.answer_format, repeat_penalty=config.repeat_penalty,
+                   reveal_answer=config.reveal_answer)
 
     @classmethod
     def check_config(cls, config: EnvConfig) -> None:
@@ -246,12 +247,13 @@ class ArithmeticEnv:
         return {"answer<0"} if answer < 0 else {"answer>=0"}
 
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5, answer_format: str = "last_number",
-                 repeat_penalty: float = 0.0):
+                 repeat_penalty: float = 0.0, reveal_answer: bool = False):
         self.extract = {"last_number": last_number, "last_line": last_line}[answer_format]
         self.candidates = {"last_number": every_number, "last_line": every_line}[answer_format]
         self.max_turns = max_turns
         self.retry_discount = retry_discount
         self.repeat_penalty = repeat_penalty
+        self.reveal_answer = reveal_answer
         self._rejected: set[str] = set()  # the candidates of answers called wrong in this episode
         self._entry: dict[str, Any] | None = None
         self._dataset = None
@@ -293,4 +295,6 @@ class ArithmeticEnv:
             return Feedback("Incorrect.", reward, True, info)
         missing = "That is not a number." if self.extract is last_number else "That is not an answer."
         hint = missing if answer is None else f"{answer} is incorrect."
+        if self.reveal_answer:
+            hint += f" The answer is {self._entry['answer']}."
         return Feedback(f"{hint} Try again: reply with only the final answer.", reward, False, info)

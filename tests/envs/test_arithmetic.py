@@ -42,6 +42,9 @@ def test_wrong_answers_get_feedback_then_end():
     wrong = str(int(answer) + 1)
     first = env.step(wrong)
     assert not first.done and first.reward == 0 and wrong in first.observation
+    assert f"answer is {answer}" not in first.observation  # the right answer is told only with reveal_answer
+    revealing, _, _ = _answer(task, config.model_copy(update={"reveal_answer": True}))
+    assert f"The answer is {answer}." in revealing.step(wrong).observation
     second = env.step(answer)
     assert second.done and second.reward == pytest.approx(0.5)  # right on the second attempt
     env.reset(task.spec)
