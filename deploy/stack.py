@@ -323,7 +323,15 @@ def up(args: argparse.Namespace) -> None:
 
 def down(args: argparse.Namespace) -> None:
     engine = find_engine()
-    compose(engine, "--profile", "grafana", "down", *(["--volumes"] if args.volumes else []), capture=True)
+    compose(engine, "--profile", "grafana", "down", *(["--volumes"] if args.volumes else []), check=False, capture=True)
+    # podman-compose leaves the replicas `--scale` added (and so the volumes and network they hold): remove
+    # whatever still carries the project's label.
+    label = f"label=com.docker.compose.project={PROJECT}"
+    kinds = [("ps", "rm"), ("network ls", "network rm")] + ([("volume ls", "volume rm")] if args.volumes else [])
+    for listing, removal in kinds:
+        left = run([engine.name, *listing.split(), "-q", "--filter", label], check=False, capture=True).stdout.split()
+        if left:
+            run([engine.name, *removal.split(), "-f", *left], capture=True)
     say("stack stopped" + (", volumes deleted" if args.volumes else " (volumes kept; --volumes deletes them)"))
 
 
