@@ -106,6 +106,16 @@ def test_replay_with_another_knob_differs_from_step_one_and_writes_its_own_versi
 
 
 @pytest.mark.slow
+def test_replay_rebuilds_a_lora_run(kafka_bootstrap, unique_topic_prefix, tmp_path):
+    """LoRA draws its adapters at start (seeded by policy.seed): replay draws the same ones."""
+    run_dir = trained_run(kafka_bootstrap, unique_topic_prefix, tmp_path, trainer_toml="lora = { rank = 4 }",
+                          max_steps=3)
+    result = replay(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "3 of 3 versions match" in result.stderr
+
+
+@pytest.mark.slow
 def test_replay_after_a_kill_9_and_resume_rebuilds_the_surviving_lineage(kafka_bootstrap, unique_topic_prefix,
                                                                         tmp_path):
     produce_trajectories(kafka_bootstrap, unique_topic_prefix)
