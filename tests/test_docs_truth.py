@@ -141,7 +141,8 @@ QUOTED_DEFAULTS = [
     ("(`min(\u03c1, tis_clip)`)", "trainer.objective", "tis"),
     ("scaled over the batch to unit root mean square but not centred", "trainer.scale_advantages", True),
     ("scaled over the batch to unit root mean square but not centred", "trainer.center_advantages", False),
-    ("its default, 1, weighs them all alike", "trainer.freshness_decay", 1.0),
+    ("`freshness_decay ** staleness` (default 1)", "trainer.freshness_decay", 1.0),
+    ("a right retry's answer is also taught to the first try", "trainer.retry_hindsight", True),
 ]
 
 
