@@ -41,8 +41,9 @@ PROMETHEUS_PORT = 19090  # away from a stack of the user's own on 9090
 NOT_RUN_HERE = {
     "sao_feeder_tasks_total",  # `sao feed` is a one-shot; its counters live seconds, unscraped
     "sao_feeder_tasks_in_flight",  # backpressure exists in `sao run` only
-    "sao_sampler_weights_fetch_seconds",  # policy.transport = "kafka" only
-    "sao_trainer_weights_send_seconds",  # policy.transport = "kafka" only
+    # policy.transport = "kafka" only (series names, as the queries use them)
+    "sao_sampler_weights_fetch_seconds_sum", "sao_sampler_weights_fetch_seconds_count",
+    "sao_trainer_weights_send_seconds_sum", "sao_trainer_weights_send_seconds_count",
     "sao_policy_heldout_success",  # shadow validation, off in docker-compose.small.yml
     "sao_heldout_skill_success",  # the held-out comparison at the end of `sao run`: no launcher in the stack
     "sao_heldout_format_ceiling",
