@@ -591,5 +591,24 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None,
         typer.echo(f"#   {key} = {value!r}")
 
 
+def main() -> None:
+    """The `sao` command: a mistyped flag or value is one line naming it (click's usage box is several)."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        raise SystemExit(130) from None
+    except Exception as err:  # click's errors, whichever click typer vendors: they carry their message and code
+        if not (hasattr(err, "format_message") and hasattr(err, "exit_code")):
+            raise
+        context = getattr(err, "ctx", None)
+        if type(err).__name__ == "NoArgsIsHelpError" and context is not None:
+            typer.echo(context.get_help(), err=True)
+        else:
+            command = context.command_path if context is not None else "sao"
+            typer.echo(f"{command}: {err.format_message()} (see '{command} --help')", err=True)
+        raise SystemExit(err.exit_code) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -68,6 +68,20 @@ def test_a_numeric_flag_out_of_range_is_refused_naming_it(command, flag):
     assert "Traceback" not in result.output
 
 
+def test_the_sao_command_says_a_usage_mistake_in_one_line(capsys):
+    """What a user types goes through `main`: a bad value or an unknown flag is one line on stderr, exit 2."""
+    import sys
+
+    from sao.cli import main
+
+    for argv, names in ((["feed", "--start-index", "-3"], "--start-index"), (["feed", "--nope"], "--nope")):
+        sys.argv = ["sao", *argv]
+        with pytest.raises(SystemExit) as stopped:
+            main()
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.count("\n") == 1 and names in err and "sao feed --help" in err, err
+
+
 @pytest.mark.parametrize("command, field", [
     (["feed", "--bootstrap-servers", "127.0.0.1:1"], "env.dataset_options.allow_parentheses: chain_sum has no such option"),
     (["eval"], "env.dataset_options.allow_parentheses: chain_sum has no such option"),
