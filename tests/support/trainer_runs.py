@@ -107,3 +107,25 @@ def wait_for_step(status: Path, step: int, proc: subprocess.Popen, timeout: floa
             pass
         time.sleep(0.1)
     raise AssertionError(f"the trainer did not reach step {step}")
+
+
+def kill_9_after_step_2_and_resume(config: Path, bootstrap: str, run_dir: Path, log: Path,
+                                   timeout: float) -> tuple[float, subprocess.CompletedProcess]:
+    """Start the trainer, kill -9 it a seeded random moment after step 2, resume it to the end.
+
+    Returns the delay it was killed after (a failure names it) and the resumed run.
+    """
+    import os
+    import signal
+
+    from support.fault_runs import fault_rng
+
+    first = subprocess.Popen(trainer_command(config, bootstrap, run_dir), stdout=subprocess.DEVNULL,
+                             stderr=open(log, "w"))
+    wait_for_step(run_dir / "status" / "trainer.json", 2, first)
+    delay = fault_rng().uniform(0, 1.0)  # seeded: a failure names its seed and reproduces with it
+    time.sleep(delay)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    return delay, subprocess.run(trainer_command(config, bootstrap, run_dir, "--resume"), capture_output=True,
+                                 text=True, timeout=timeout)

@@ -1,11 +1,8 @@
 """`sao replay`: a run's trajectory log rebuilds every version it published, bit for bit, and names where one differs."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,9 +13,15 @@ from sao.run_dir import RunDir
 from sao.schema import Trajectory, decode, encode
 from sao.trainer.archive import MAGIC, TrajectoryArchive, read_records
 from sao.trainer.replay import CannotReplay, Replay
-from support.fault_runs import fault_rng, fault_seed
+from support.fault_runs import fault_seed
 from support.shadow_env import shadow_on
-from support.trainer_runs import TOTAL, produce_trajectories, trainer_command, wait_for_step, write_config
+from support.trainer_runs import (
+    TOTAL,
+    kill_9_after_step_2_and_resume,
+    produce_trajectories,
+    trainer_command,
+    write_config,
+)
 
 
 def replay(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -121,15 +124,7 @@ def test_replay_after_a_kill_9_and_resume_rebuilds_the_surviving_lineage(kafka_b
     produce_trajectories(kafka_bootstrap, unique_topic_prefix)
     config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
     write_config(config, unique_topic_prefix, keep_versions=100)
-    first = subprocess.Popen(trainer_command(config, kafka_bootstrap, run_dir), stdout=subprocess.DEVNULL,
-                             stderr=open(tmp_path / "first.log", "w"))
-    wait_for_step(run_dir / "status" / "trainer.json", 2, first)
-    delay = fault_rng().uniform(0, 1.0)  # seeded: a failure names its seed and reproduces with it
-    time.sleep(delay)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait()
-    second = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, "--resume"), capture_output=True,
-                            text=True, timeout=300)
+    delay, second = kill_9_after_step_2_and_resume(config, kafka_bootstrap, run_dir, tmp_path / "first.log", 300)
     assert second.returncode == 0, second.stderr[-3000:]
 
     records = list(read_records(run_dir / "trajectory-log.bin"))

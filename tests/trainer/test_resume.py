@@ -1,10 +1,7 @@
 """Resume after a crash or a stop: every trajectory is trained on, and every bad message dead-lettered, exactly once."""
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +10,11 @@ import pytest
 from sao.schema import PolicyAnnouncement, decode
 from sao.transport.kafka import make_producer, read_all
 from sao.transport.topics import ensure_topics
-from support.fault_runs import fault_rng, fault_seed
+from support.fault_runs import fault_seed
 from support.trainer_runs import (
     TOTAL,
     dead_letters,
+    kill_9_after_step_2_and_resume,
     produce,
     produce_trajectories,
     synthetic_trajectory,
@@ -45,16 +43,7 @@ def test_kill_9_and_resume_trains_every_trajectory_exactly_once(kafka_bootstrap,
     ids = produce_trajectories(kafka_bootstrap, unique_topic_prefix)
     config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
     write_config(config, unique_topic_prefix, trainer_toml=f"lora = {{ rank = {lora_rank} }}")
-    first = subprocess.Popen(trainer_command(config, kafka_bootstrap, run_dir), stdout=subprocess.DEVNULL,
-                             stderr=open(tmp_path / "first.log", "w"))
-    wait_for_step(run_dir / "status" / "trainer.json", 2, first)
-    delay = fault_rng().uniform(0, 1.0)  # seeded: a failure names its seed and reproduces with it
-    time.sleep(delay)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait()
-
-    second = subprocess.run(trainer_command(config, kafka_bootstrap, run_dir, "--resume"), capture_output=True,
-                            text=True, timeout=150)
+    delay, second = kill_9_after_step_2_and_resume(config, kafka_bootstrap, run_dir, tmp_path / "first.log", 150)
     assert second.returncode == 0, second.stderr[-3000:]
     trained = effective_ledger(run_dir / "trained.jsonl")
     assert sorted(trained) == sorted(ids), (f"killed {delay:.2f} s after step 2 (SAO_FAULT_SEED={fault_seed()}): "
