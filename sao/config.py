@@ -393,7 +393,7 @@ class TrainerConfig(Section):
                             "turns are attempts at one question (arithmetic, humaneval), else reward_to_go. Each turn "
                             "has its own baseline. Measured: benchmarks/README.md.")
     retry_hindsight: bool = Field(
-        True, description="With own_reward credit, a retry that earned more than the first try is also trained as "
+        True, description="sao with own_reward credit: a retry that earned more than the first try is also trained as "
                           "the first try's answer, with the retry's advantage: the env's feedback teaches the question.")
     scale_advantages: bool = Field(True, description="Scale advantages over the batch's turns to unit size (root mean "
                                                       "square 1; with center_advantages, mean 0 and std 1).")

@@ -87,7 +87,8 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     baselines = _group_means(batch, returns) if cfg.algorithm == "grpo" else baseline.values_for(batch, returns)
     advantages = [[g - b for g, b in zip(own, base)] for own, base in zip(returns, baselines)]
     hindsight = {}
-    if cfg.retry_hindsight and cfg.turn_credit == "own_reward":  # own_reward: the turns are attempts at one question
+    # own_reward: the turns are attempts at one question; GRPO stays the plain comparison baseline.
+    if cfg.retry_hindsight and cfg.turn_credit == "own_reward" and cfg.algorithm == "sao":
         hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
         # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
         hindsight = {index: retry for index, retry in hindsight.items()
