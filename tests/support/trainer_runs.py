@@ -109,11 +109,12 @@ def wait_for_step(status: Path, step: int, proc: subprocess.Popen, timeout: floa
     raise AssertionError(f"the trainer did not reach step {step}")
 
 
-def kill_9_after_step_2_and_resume(config: Path, bootstrap: str, run_dir: Path, log: Path,
-                                   timeout: float) -> tuple[float, subprocess.CompletedProcess]:
-    """Start the trainer, kill -9 it a seeded random moment after step 2, resume it to the end.
+def kill_9_after_step_2_and_resume(config: Path, bootstrap: str, run_dir: Path, log: Path, timeout: float,
+                                   max_delay: float = 1.0) -> tuple[float, subprocess.CompletedProcess]:
+    """Start the trainer, kill -9 it a seeded random moment (under `max_delay` s) after step 2, resume it to the end.
 
-    Returns the delay it was killed after (a failure names it) and the resumed run.
+    Returns the delay it was killed after (a failure names it) and the resumed run. A tiny model's steps are
+    short: a test that needs the kill to land before the last step keeps `max_delay` small.
     """
     import os
     import signal
@@ -123,7 +124,7 @@ def kill_9_after_step_2_and_resume(config: Path, bootstrap: str, run_dir: Path, 
     first = subprocess.Popen(trainer_command(config, bootstrap, run_dir), stdout=subprocess.DEVNULL,
                              stderr=open(log, "w"))
     wait_for_step(run_dir / "status" / "trainer.json", 2, first)
-    delay = fault_rng().uniform(0, 1.0)  # seeded: a failure names its seed and reproduces with it
+    delay = fault_rng().uniform(0, max_delay)  # seeded: a failure names its seed and reproduces with it
     time.sleep(delay)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()

@@ -124,7 +124,9 @@ def test_replay_after_a_kill_9_and_resume_rebuilds_the_surviving_lineage(kafka_b
     produce_trajectories(kafka_bootstrap, unique_topic_prefix)
     config, run_dir = tmp_path / "sao.toml", tmp_path / "run"
     write_config(config, unique_topic_prefix, keep_versions=100)
-    delay, second = kill_9_after_step_2_and_resume(config, kafka_bootstrap, run_dir, tmp_path / "first.log", 300)
+    # Killed within 0.1 s of step 2, so the resumed life has steps left to replay (the whole run takes seconds).
+    delay, second = kill_9_after_step_2_and_resume(config, kafka_bootstrap, run_dir, tmp_path / "first.log", 300,
+                                                   max_delay=0.1)
     assert second.returncode == 0, second.stderr[-3000:]
 
     records = list(read_records(run_dir / "trajectory-log.bin"))
@@ -133,7 +135,8 @@ def test_replay_after_a_kill_9_and_resume_rebuilds_the_surviving_lineage(kafka_b
     positions = [(r["partition"], r["offset"]) for r in records if r["kind"] == "trajectory"]
     assert len(positions) == len(set(positions)), "a message re-read after the resume was logged twice"
     steps = [record["step"] for record in records if record["kind"] == "step"]
-    assert steps == list(range(1, len(steps) + 1)) and lives[1]["step"] < len(steps)
+    assert steps == list(range(1, len(steps) + 1)) and lives[1]["step"] < len(steps), \
+        f"killed {delay:.2f} s after step 2, past the last step (SAO_FAULT_SEED={fault_seed()})"
 
     result = replay(run_dir)
     published = sum(record["kind"] == "published" for record in records)
