@@ -48,9 +48,11 @@ def plan_rows(plan: BatchPlan, index: int) -> list[TurnInput]:
     """
     inputs = training_inputs(plan.trajectories[index])
     retry = plan.hindsight.get(index)
-    if retry is not None:
-        inputs.append(replace(inputs[0], action_ids=inputs[retry].action_ids))
-    return inputs
+    return inputs + [_hindsight_row(inputs, retry)] if retry is not None else inputs
+
+
+def _hindsight_row(inputs: list[TurnInput], retry: int) -> TurnInput:
+    return replace(inputs[0], action_ids=inputs[retry].action_ids)
 
 
 def better_retry(returns: list[float]) -> int | None:
@@ -92,8 +94,7 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
         hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
         # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
         hindsight = {index: retry for index, retry in hindsight.items()
-                     if plan_rows(BatchPlan([batch[index]], [], [], [], {0: retry}), 0)[-1].positions
-                     <= cfg.micro_batch_tokens}
+                     if _hindsight_row(training_inputs(batch[index]), retry).positions <= cfg.micro_batch_tokens}
         for index, retry in hindsight.items():
             advantages[index].append(advantages[index][retry])  # taught as strongly as the retry itself
     if cfg.scale_advantages:
