@@ -285,6 +285,8 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     assert all_rows(plan, [0]) == [(0, 0), (0, 1), (0, 2)]
     assert plan_batch(batch, baseline, TrainerConfig(retry_hindsight=True), 0).hindsight == {}  # reward_to_go credit
     assert plan_batch(batch, baseline, cfg.model_copy(update={"retry_hindsight": False}), 0).hindsight == {}
+    tight = cfg.model_copy(update={"micro_batch_tokens": taught.positions - 1})  # the row would overflow a pass
+    assert plan_batch(batch, baseline, tight, 0).hindsight == {}
     grpo = cfg.model_copy(update={"algorithm": "grpo", "group_size": 1})
     assert plan_batch(batch, baseline, grpo, 0).hindsight == {}  # the comparison baseline stays plain GRPO
 
