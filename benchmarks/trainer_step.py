@@ -8,11 +8,12 @@ them two turns (a wrong first answer gets feedback and a retry), so ~15 rows of 
 Three arms take turns, round after round (the order rotates, so none always runs first):
 - sao: the real step (`sao.trainer.training_step.train_step`: ZeRO-3 engine, its loss, its
   length buckets, clipping and AdamW inside DeepSpeed);
-- bare_by_hand: what one writes by hand: the same rows right-padded into one batch, the same
+- bare_by_hand: what one writes by hand: one row per turn, right-padded into one batch, the same
   loss (`rank_loss`), `loss.backward()`, `clip_grad_norm_`, `torch.optim.AdamW` with its defaults;
-- bare_matched: the same bare loop with sao's length buckets and AdamW kernel
-  (`trainer.length_buckets`, `trainer.fused_adamw`), so the headline compares engines, not
-  padding or optimizer kernels; the by-hand ratio is reported beside it.
+- bare_matched: the same bare loop with sao's rows (a first try scored inside its retry's row,
+  `sao.trainer.batch.sequences`), length buckets and AdamW kernel (`trainer.length_buckets`,
+  `trainer.fused_adamw`), so the headline compares engines, not rows, padding or optimizer
+  kernels; the by-hand ratio is reported beside it.
 The first round is a warm-up and is not timed; each arm's median step seconds is reported, with
 its CPU seconds (robust when other work shares the cores) split into forward+backward and
 optimizer. The bare arms share one module and optimizer: its weights are sao's at the start,
@@ -27,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -104,16 +106,19 @@ class BareEngine:
 
 
 def padding_share(plan, max_buckets: int) -> dict[str, float]:
-    """Rows, real positions, and the share of computed positions that are padding, padded vs bucketed."""
-    from sao.policy.context import training_inputs
-    from sao.trainer.batch import length_buckets
+    """Rows and real positions, a row per turn and as sao scores them; the share of sao's computed positions
+    that are padding, padded vs bucketed."""
+    from sao.trainer.batch import all_rows, length_buckets, plan_rows
 
-    lengths = [len(x.prompt_ids) + len(x.memory) + len(x.context_ids) + len(x.action_ids)
-               for t in plan.trajectories for x in training_inputs(t)]
+    def lengths_of(plan) -> list[int]:
+        return [plan_rows(plan, index)[turns[-1]].positions for index, turns in all_rows(plan, range(len(plan.trajectories)))]
+
+    per_turn, lengths = lengths_of(replace(plan, merge_turns=False)), lengths_of(plan)
     real = sum(lengths)
     padded = len(lengths) * max(lengths)
     bucketed = sum(len(b) * max(lengths[r] for r in b) for b in length_buckets(lengths, max_buckets))
-    return {"rows": len(lengths), "positions": real, "buckets": len(length_buckets(lengths, max_buckets)),
+    return {"rows_per_turn": len(per_turn), "positions_per_turn": sum(per_turn), "rows": len(lengths), "positions": real,
+            "buckets": len(length_buckets(lengths, max_buckets)),
             "padding_share_padded": 1 - real / padded, "padding_share_bucketed": 1 - real / bucketed}
 
 
@@ -143,8 +148,8 @@ def measure(model: str, steps: int, threads: int | None, overrides: list[str], t
             raise RuntimeError(f"sao's step was not applied ({outcome.skipped_reason}): nothing to time")
         return outcome.stats.loss, outcome.forward_backward_s, outcome.optimizer_s
 
-    # By hand: one padded batch, AdamW's default kernel. Matched: sao's buckets and kernel.
-    arms = {"sao": sao_step, "bare_by_hand": lambda: bare.step(plan, padded_cfg, fused=False),
+    # By hand: a row per turn in one padded batch, AdamW's default kernel. Matched: sao's rows, buckets and kernel.
+    arms = {"sao": sao_step, "bare_by_hand": lambda: bare.step(replace(plan, merge_turns=False), padded_cfg, fused=False),
             "bare_matched": lambda: bare.step(plan, cfg, fused=cfg.fused_adamw)}
     names = list(arms)
     times: dict[str, list[dict[str, float]]] = {name: [] for name in names}
@@ -190,7 +195,8 @@ def main() -> None:
     init_distributed()
     result = measure(args.model, args.steps, args.threads, args.overrides, args.trajectories)
     medians, padding = result["medians"], result["padding"]
-    table = Table(title=f"trainer step, {args.model}, {padding['rows']} rows / {padding['positions']} positions, "
+    table = Table(title=f"trainer step, {args.model}, {padding['rows']} rows / {padding['positions']} positions "
+                        f"({padding['rows_per_turn']} / {padding['positions_per_turn']} a row per turn), "
                         f"{result['threads']} thread(s); median of {args.steps}")
     for column in ("arm", "step s", "CPU s", "forward+backward s", "optimizer s", "sao / arm (wall)",
                    "sao / arm (CPU)"):

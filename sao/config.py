@@ -480,7 +480,7 @@ class TrainerConfig(Section):
                                  "bounds the trainer's peak memory whatever the batch holds. A row longer than this "
                                  "(a whole trajectory with importance_level = 'sequence') is dead-lettered (too-large).")
     length_buckets: int = Field(
-        2, ge=1, description="At most this many forward passes per micro-batch: rows (turns) are sorted by length and "
+        2, ge=1, description="At most this many forward passes per micro-batch: rows are sorted by length and "
                              "split where that cuts the right-padding most (same loss and gradient, fewer positions "
                              "computed); 1 = one padded pass. A split that saves too few positions "
                              "(MIN_SPLIT_SAVING in sao/trainer/batch.py) is not made. "

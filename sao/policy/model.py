@@ -45,7 +45,10 @@ class ScoringBatch:
         return replace(self, **moved)
 
 
-def collate_turns(inputs: list[TurnInput], memory_width: int, temperatures: list[float] | None = None) -> ScoringBatch:
+def collate_turns(inputs: list[TurnInput], memory_width: int, temperatures: list[float] | None = None,
+                  scored: list[list[tuple[int, int]]] | None = None) -> ScoringBatch:
+    """Right-pad the rows into one batch; `scored` gives each row's (start, length) spans of tokens to score,
+    by default its action alone (a row may also hold earlier turns' actions in its context)."""
     lengths = [x.positions for x in inputs]
     rows, width = len(inputs), max(lengths)
     token_ids = torch.zeros(rows, width, dtype=torch.long)
@@ -63,7 +66,8 @@ def collate_turns(inputs: list[TurnInput], memory_width: int, temperatures: list
         token_ids[row, p + m:start] = torch.from_numpy(np.asarray(x.context_ids, dtype=np.int64))
         token_ids[row, start:lengths[row]] = torch.from_numpy(np.asarray(x.action_ids, dtype=np.int64))
         attention_mask[row, :lengths[row]] = 1
-        action_mask[row, start:lengths[row]] = True
+        for first, count in scored[row] if scored is not None else [(start, len(x.action_ids))]:
+            action_mask[row, first:first + count] = True
     temps = torch.tensor(temperatures if temperatures is not None else [1.0] * rows, dtype=torch.float32)
     return ScoringBatch(token_ids, memory_vectors, memory_mask, attention_mask, action_mask, temps)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,17 +28,20 @@ from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
 @dataclass(frozen=True)
 class BatchPlan:
     trajectories: list[Trajectory]
-    advantages: list[list[float]]  # per trajectory, one per row: each turn, then its hindsight row if it has one
+    advantages: list[list[float]]  # per trajectory: one per turn, then its hindsight row's if it has one
     staleness: list[int]
     returns: list[list[float]]  # per trajectory, what each turn is credited with (`turn_returns`)
     # trajectory index -> the retry whose answer is also trained as the first try's (`retry_hindsight`)
     hindsight: dict[int, int] = field(default_factory=dict)
+    # Score a turn inside the next turn's row when that row begins with it (`sequences`). Off with a
+    # value head, which reads one state per row.
+    merge_turns: bool = True
 
     def alone(self, index: int) -> BatchPlan:
         """The plan of one of its trajectories on its own, with the advantages this batch gave it."""
         hindsight = {0: self.hindsight[index]} if index in self.hindsight else {}
         return BatchPlan([self.trajectories[index]], [self.advantages[index]], [self.staleness[index]],
-                         [self.returns[index]], hindsight)
+                         [self.returns[index]], hindsight, self.merge_turns)
 
 
 def plan_rows(plan: BatchPlan, index: int) -> list[TurnInput]:
@@ -53,6 +57,33 @@ def plan_rows(plan: BatchPlan, index: int) -> list[TurnInput]:
 
 def _hindsight_row(inputs: list[TurnInput], retry: int) -> TurnInput:
     return replace(inputs[0], action_ids=inputs[retry].action_ids)
+
+
+def sequences(plan: BatchPlan, index: int) -> list[tuple[int, ...]]:
+    """A trajectory's rows grouped into the forward passes' sequences: each a run of turns scored in one row.
+
+    A turn whose whole row (prompt, memory, context and action) is where the next turn's row
+    begins is scored inside that row: attention is causal, so its action tokens get the same
+    log-probs there as in a row of their own, and the prefix is computed once (a retry's row holds
+    the first try whole when the recent window keeps it and the memory has not changed). The
+    hindsight row never shares: its action was not what came next.
+    """
+    rows = plan_rows(plan, index)
+    sampled = len(plan.trajectories[index].steps)
+    groups: list[list[int]] = []
+    for turn in range(len(rows)):
+        if groups and turn < sampled and plan.merge_turns and _begins_with(rows[turn], rows[turn - 1]):
+            groups[-1].append(turn)
+        else:
+            groups.append([turn])
+    return [tuple(group) for group in groups]
+
+
+def _begins_with(row: TurnInput, earlier: TurnInput) -> bool:
+    """`row` starts with the whole of `earlier`: same prompt and memory, its context opens with earlier's text."""
+    head = np.concatenate([earlier.context_ids, earlier.action_ids])
+    return (np.array_equal(row.prompt_ids, earlier.prompt_ids) and np.array_equal(row.memory, earlier.memory)
+            and len(row.context_ids) >= len(head) and np.array_equal(row.context_ids[:len(head)], head))
 
 
 def better_retry(returns: list[float]) -> int | None:
@@ -103,7 +134,8 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
         for size in sizes:
             advantages.append(flat[start:start + size])
             start += size
-    return BatchPlan(batch, advantages, [policy_version - t.behaviour_version for t in batch], returns, hindsight)
+    return BatchPlan(batch, advantages, [policy_version - t.behaviour_version for t in batch], returns, hindsight,
+                     merge_turns=not cfg.value_head)
 
 
 def _group_means(batch: list[Trajectory], returns: list[list[float]]) -> list[list[float]]:
@@ -124,7 +156,7 @@ def record_rewards(plan: BatchPlan, baseline: RewardBaseline) -> None:
         baseline.update(trajectory, returns)
 
 
-Row = tuple[int, int]  # (trajectory's index in the plan, turn): one step's row of tokens
+Row = tuple[int, tuple[int, ...]]  # (trajectory's index in the plan, its turns scored in this row): see `sequences`
 
 
 def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajectories: bool) -> list[list[Row]]:
@@ -138,8 +170,9 @@ def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajec
     """
     units: list[tuple[int, list[Row]]] = []  # (longest row, rows)
     for index in indices:
-        lengths = [x.positions for x in plan_rows(plan, index)]
-        rows = [(index, turn) for turn in range(len(lengths))]
+        inputs = plan_rows(plan, index)
+        rows = [(index, turns) for turns in sequences(plan, index)]
+        lengths = [inputs[turns[-1]].positions for _, turns in rows]
         units += [(max(lengths), rows)] if whole_trajectories else [(n, [row]) for n, row in zip(lengths, rows)]
     passes: list[list[Row]] = []
     for longest, rows in sorted(units, key=lambda unit: unit[0]):
@@ -151,7 +184,7 @@ def micro_batches(plan: BatchPlan, indices: list[int], budget: int, whole_trajec
 
 
 def all_rows(plan: BatchPlan, indices: list[int]) -> list[Row]:
-    return [(index, row) for index in indices for row in range(len(plan.advantages[index]))]
+    return [(index, turns) for index in indices for turns in sequences(plan, index)]
 
 
 def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: TrainerConfig,
@@ -160,28 +193,36 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
 
     With `base_policy` (a frozen copy of the base) the rows are scored by it too, for the KL to the base.
     """
-    inputs, row_weights, behaviour, temperatures, row_trajectory, returns, freshness = [], [], [], [], [], [], []
+    inputs, spans, weights, behaviour, temperatures, row_trajectory, returns, freshness = [], [], [], [], [], [], [], []
     local: dict[int, int] = {}  # trajectory index -> its number within this pass
-    steps_of: dict[int, list] = {}
-    for index, turn in rows if rows else [(0, 0)]:
+    steps_of: dict[int, list[TurnInput]] = {}
+    for index, turns in rows if rows else [(0, (0,))]:
         trajectory = plan.trajectories[index]
         if index not in steps_of:
             steps_of[index] = plan_rows(plan, index)
         fresh = cfg.freshness_decay ** plan.staleness[index] if rows else 0.0
-        inputs.append(steps_of[index][turn])
-        row_weights.append(plan.advantages[index][turn] * fresh)
-        sampled = turn < len(trajectory.steps)  # else the hindsight row: never sampled there, so no behaviour log-probs
-        behaviour.append(torch.from_numpy(trajectory.steps[turn].behaviour_logprobs.copy()) if sampled else
-                         torch.full((len(steps_of[index][turn].action_ids),), float("nan")))
+        inputs.append(steps_of[index][turns[-1]])
+        # Each scored turn's action sits where it ends its own row: its start there is its place here too.
+        spans.append([(steps_of[index][turn].positions - len(steps_of[index][turn].action_ids),
+                       len(steps_of[index][turn].action_ids)) for turn in turns])
+        weights.append(torch.cat([torch.full((len(steps_of[index][turn].action_ids),),
+                                             plan.advantages[index][turn] * fresh) for turn in turns]))
+        # A turn past the sampled ones is the hindsight row: never sampled there, so no behaviour log-probs.
+        behaviour.append(torch.cat([
+            torch.from_numpy(trajectory.steps[turn].behaviour_logprobs.copy()) if turn < len(trajectory.steps) else
+            torch.full((len(steps_of[index][turn].action_ids),), float("nan")) for turn in turns]))
         temperatures.append(trajectory.temperature)
         row_trajectory.append(local.setdefault(index, len(local)))
-        returns.append(plan.returns[index][turn if sampled else plan.hindsight[index]])  # the value head's target
+        turn = turns[-1]  # one turn a row with a value head (merge_turns is off)
+        returns.append(plan.returns[index][turn if turn < len(trajectory.steps) else plan.hindsight[index]])
         freshness.append(fresh)
     device = engine.device
-    scoring = collate_turns(inputs, memory_width, temperatures).to(device)
+    scoring = collate_turns(inputs, memory_width, temperatures, spans).to(device)
     behaviour_logprobs = torch.zeros(scoring.token_ids.shape, device=device)
-    for row, row_logprobs in enumerate(behaviour):
+    token_weights = torch.zeros(scoring.token_ids.shape, device=device)
+    for row, (row_logprobs, row_weights) in enumerate(zip(behaviour, weights)):
         behaviour_logprobs[row, scoring.action_mask[row]] = row_logprobs.to(device)
+        token_weights[row, scoring.action_mask[row]] = row_weights.to(device)
     base_logprobs = None
     if base_policy is not None:
         with torch.no_grad():
@@ -189,14 +230,14 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
     if not cfg.value_head:
         logprobs = _score(engine, scoring, cfg.length_buckets)
         behaviour_logprobs = _on_policy_where_unsampled(behaviour_logprobs, logprobs)
-        return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask,
-                                      torch.tensor(row_weights, device=device),
+        return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, token_weights,
                                       torch.tensor(row_trajectory, device=device), normaliser, base_logprobs), cfg)
     logprobs, values = _score(engine, scoring, cfg.length_buckets, with_values=True)
     behaviour_logprobs = _on_policy_where_unsampled(behaviour_logprobs, logprobs)
     targets = torch.tensor(returns, device=device)
-    weights = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
-    loss, stats = policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, weights,
+    row_advantages = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
+    token_weights = row_advantages.unsqueeze(-1).expand_as(logprobs)
+    loss, stats = policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, token_weights,
                                          torch.tensor(row_trajectory, device=device), normaliser, base_logprobs), cfg)
     live = torch.tensor(freshness, device=device) > 0  # idle-rank padding rows do not train the value head
     value_loss = ((values - targets) ** 2 * live).sum() / normaliser

@@ -7,8 +7,9 @@ recorded. Three objectives, selected by `trainer.objective`:
 - ppo: decoupled PPO. The clipped surrogate takes rho against the behaviour policy (the
   sampler's log-probs), with a dual clip that bounds the loss for negative advantages.
 - masked: like tis, but tokens whose rho leaves [mask_low, mask_high] are dropped, not truncated.
-A row is one step of a trajectory; losses are summed over tokens and averaged over
-trajectories, so long answers do not weigh more per trajectory.
+A row holds one or more turns of a trajectory (each token weighted by its own turn's advantage);
+losses are summed over tokens and averaged over trajectories, so long answers do not weigh more
+per trajectory.
 
 With the base policy's log-probs (`trainer.kl_to_base_coef` or `measure_kl_to_base`), the k3
 estimate of KL(pi_theta || pi_base) over the sampled tokens is reported, and with a coefficient
@@ -42,7 +43,7 @@ class LossInputs:
     logprobs: torch.Tensor  # [rows, L] log pi_theta, with grad
     behaviour_logprobs: torch.Tensor  # [rows, L] log mu
     mask: torch.Tensor  # [rows, L] bool: action tokens
-    row_weights: torch.Tensor  # [rows] advantage x freshness of the row's trajectory
+    token_weights: torch.Tensor  # [rows, L] advantage x freshness of each token's turn (0 off the action tokens)
     row_trajectory: torch.Tensor  # [rows] long: which trajectory of the batch the row belongs to
     num_trajectories: int  # the normaliser (the whole batch, across ranks)
     base_logprobs: torch.Tensor | None = None  # [rows, L] log pi_base, no grad; None: the base is not scored
@@ -63,7 +64,7 @@ def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, L
         count = int(inputs.row_trajectory.max()) + 1 if inputs.row_trajectory.numel() else 0
         log_ratio = _sequence_log_ratio(token_log_ratio, inputs.row_trajectory, count) * mask
     ratio = torch.exp(log_ratio)
-    advantage = inputs.row_weights.unsqueeze(-1)
+    advantage = inputs.token_weights
     if cfg.objective == "ppo":
         high = cfg.ppo_clip_high if cfg.ppo_clip_high is not None else cfg.ppo_clip
         clipped = torch.clamp(ratio, 1 - cfg.ppo_clip, 1 + high)

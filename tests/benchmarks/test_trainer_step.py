@@ -33,9 +33,11 @@ def test_trainer_step_compares_sao_with_the_bare_loop(tmp_path):
         # The phases are parts of the step; CPU seconds of one thread cannot exceed much the wall time.
         assert figures["forward_backward_s"] + figures["optimizer_s"] <= figures["step_s"] * 1.01, arm
     assert all(len(runs) == 2 for runs in report["runs"].values())  # the warm-up round is not timed
-    # The batch looks like a default run's, and the buckets cut its padding.
+    # The batch looks like a default run's; a first try scored inside its retry's row cuts its positions,
+    # and the buckets its padding.
     padding = report["padding"]
-    assert 12 <= padding["rows"] <= 16 and 800 <= padding["positions"] <= 1400
+    assert 12 <= padding["rows_per_turn"] <= 16 and 800 <= padding["positions_per_turn"] <= 1400
+    assert padding["rows"] == 8 and padding["positions"] < 0.8 * padding["positions_per_turn"]
     assert report["length_buckets"] == 2 and padding["buckets"] == 2
     assert padding["padding_share_bucketed"] < padding["padding_share_padded"]
     # Same weights, same rows, same loss: sao and the bare loop agree on the first step's loss.

@@ -47,7 +47,7 @@ def _gradient(cfg: TrainerConfig, baseline: RewardBaseline) -> torch.Tensor:
     plan = plan_batch(batch, baseline, cfg, policy_version=0)
     logprobs = torch.full((4, 3), -1.0, requires_grad=True)
     loss, _ = policy_loss(LossInputs(logprobs, torch.full((4, 3), -1.0), torch.ones(4, 3, dtype=torch.bool),
-                                     torch.tensor(flat(plan.advantages)), torch.arange(4), 4), cfg)
+                                     torch.tensor(flat(plan.advantages))[:, None].expand(4, 3), torch.arange(4), 4), cfg)
     loss.backward()
     return logprobs.grad
 
@@ -244,7 +244,7 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget():
     rng = np.random.default_rng(3)
     batch = [synthetic_trajectory(i, rng) for i in range(12)]
     plan = plan_batch(batch, RewardBaseline(), TrainerConfig(), 0)
-    length = {(i, turn): len(x.prompt_ids) + len(x.context_ids) + len(x.action_ids) + len(x.memory)
+    length = {(i, (turn,)): len(x.prompt_ids) + len(x.context_ids) + len(x.action_ids) + len(x.memory)
               for i, t in enumerate(batch) for turn, x in enumerate(training_inputs(t))}
     budget = 3 * max(length.values())
     passes = micro_batches(plan, list(range(12)), budget, whole_trajectories=False)
@@ -282,7 +282,7 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     first, second, taught = plan_rows(plan, 0)
     assert np.array_equal(taught.context_ids, first.context_ids) and np.array_equal(taught.action_ids, second.action_ids)
     assert plan.advantages[0] == pytest.approx([0.0, 0.5, 0.5]) and len(plan.advantages[1]) == 2
-    assert all_rows(plan, [0]) == [(0, 0), (0, 1), (0, 2)]
+    assert all_rows(plan, [0]) == [(0, (0,)), (0, (1,)), (0, (2,))]  # recent_window 0: no turn begins the next
     assert plan_batch(batch, baseline, TrainerConfig(retry_hindsight=True), 0).hindsight == {}  # reward_to_go credit
     assert plan_batch(batch, baseline, cfg.model_copy(update={"retry_hindsight": False}), 0).hindsight == {}
     tight = cfg.model_copy(update={"micro_batch_tokens": taught.positions - 1})  # the row would overflow a pass
@@ -291,9 +291,53 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     assert plan_batch(batch, baseline, grpo, 0).hindsight == {}  # the comparison baseline stays plain GRPO
 
     policy = build_policy(tiny_config.policy, 8)
-    loss, stats = rank_loss(Engine(policy), plan, [(0, 2)], 1, cfg, 8)
+    loss, stats = rank_loss(Engine(policy), plan, [(0, (2,))], 1, cfg, 8)
     assert stats.ratio_mean == pytest.approx(1.0) and stats.tokens == 4 and torch.isfinite(loss)
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
     record_rewards(plan, baseline)
     assert set(baseline.values) == {"env:arithmetic", "env:arithmetic:turn1"}
+
+
+def test_a_turn_that_begins_the_next_turns_row_is_scored_inside_it_with_the_same_loss_and_gradient(tiny_config):
+    """With the recent window holding the first try, the retry's row begins with the first try's whole row:
+    one row scores both turns, each token at its own turn's advantage, and the loss and gradient are
+    those of two separate rows. Memory that changed between the turns keeps them apart."""
+    from sao.policy.weights import build_policy
+    from sao.schema import Memory
+    from sao.trainer.batch import all_rows, rank_loss, sequences
+
+    class Engine:
+        def __init__(self, module):
+            self.module, self.device = module, torch.device("cpu")
+
+        def __call__(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    rng = np.random.default_rng(5)
+    steps = [Step(rng.integers(3, 400, 3).astype(np.int32), rng.integers(3, 400, length).astype(np.int32),
+                  np.full(length, -2.0, np.float32), reward, reward > 0, 0) for length, reward in ((4, 0.0), (3, 1.0))]
+    chained = replace(trajectory("a", 0.0), steps=steps, recent_window=1)
+    batch = [chained, trajectory("b", 1.0), trajectory("c", 0.0)]
+    cfg = TrainerConfig(turn_credit="own_reward", retry_hindsight=False)
+    plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=0)
+    assert plan.advantages[0][0] != plan.advantages[0][1]
+    assert sequences(plan, 0) == [(0, 1)] and sequences(replace(plan, merge_turns=False), 0) == [(0,), (1,)]
+    one_slot = Memory(np.ones((1, 8), np.int8), np.ones(1, np.float32), np.zeros((1, 2), np.int32), np.zeros(1, np.float32))
+    with_memory = replace(chained, memory=one_slot, steps=[steps[0], replace(steps[1], memory_count=1)])
+    assert sequences(replace(plan, trajectories=[with_memory, *batch[1:]]), 0) == [(0,), (1,)]
+
+    policy = build_policy(tiny_config.policy, 8)
+    results = []
+    for merge in (True, False):
+        policy.zero_grad()
+        merged = replace(plan, merge_turns=merge)
+        rows = all_rows(merged, [0, 1, 2])
+        assert len(rows) == (3 if merge else 4)
+        loss, stats = rank_loss(Engine(policy), merged, rows, 3, cfg, 8)
+        loss.backward()
+        results.append((loss.detach(), stats.tokens, [p.grad.clone() for p in policy.parameters() if p.grad is not None]))
+    (merged_loss, merged_tokens, merged_grads), (loss, tokens, grads) = results
+    assert merged_tokens == tokens == 4 + 3 + 3 + 3
+    assert torch.allclose(merged_loss, loss, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(merged_grads, grads)) and len(grads) > 0

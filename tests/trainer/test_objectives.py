@@ -11,7 +11,8 @@ from sao.trainer.objectives import LossInputs, policy_loss, whiten
 
 def _loss(logprobs, behaviour, mask, weights, rows_to_traj=None, n=None, **cfg):
     rows = logprobs.shape[0]
-    inputs = LossInputs(logprobs, behaviour, mask, torch.tensor(weights, dtype=torch.float32),
+    token_weights = torch.tensor(weights, dtype=torch.float32).unsqueeze(-1).expand(mask.shape)  # one a row
+    inputs = LossInputs(logprobs, behaviour, mask, token_weights,
                         torch.tensor(rows_to_traj if rows_to_traj is not None else list(range(rows))),
                         n if n is not None else rows)
     return policy_loss(inputs, TrainerConfig(**cfg))
@@ -117,7 +118,7 @@ def test_kl_to_base_is_measured_and_penalised_only_with_a_coefficient():
     base = torch.tensor([[math.log(0.25), math.log(0.8)]])  # r = base / pi = 0.5 on the first token, 1 on the second
     mask = torch.ones(1, 2, dtype=torch.bool)
     k3 = 0.5 - math.log(0.5) - 1  # the second token's k3 is 0
-    inputs = LossInputs(logprobs, logprobs.detach().clone(), mask, torch.tensor([0.0]), torch.tensor([0]), 1, base)
+    inputs = LossInputs(logprobs, logprobs.detach().clone(), mask, torch.zeros(1, 2), torch.tensor([0]), 1, base)
     loss, stats = policy_loss(inputs, TrainerConfig())
     assert loss.item() == pytest.approx(0.0)  # measured only: advantage 0 leaves no loss
     assert stats.kl_to_base == pytest.approx(k3 / 2, rel=1e-5)
