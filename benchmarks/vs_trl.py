@@ -32,6 +32,7 @@ step count for the linear default to decay over) and it runs fp32 on the CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -42,6 +43,7 @@ import time
 from pathlib import Path
 
 from sao.config import SaoConfig, load_config
+from sao.processes import die_with_parent
 from sao.run_dir import RunDir
 from sao.stats import mean, paired_gain, stderr
 
@@ -172,6 +174,11 @@ def sao_checkpoints(run_dir: Path, launched: float) -> list[dict]:
     return checkpoints
 
 
+def ends_with_this_process():
+    """A preexec_fn: a killed benchmark leaves no run or TRL process behind to load the next measurement."""
+    return functools.partial(die_with_parent, os.getpid())
+
+
 def run_sao(seed: int, minutes: float, run_dir: Path, extra: list[str]) -> tuple[list[dict], float]:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -180,7 +187,7 @@ def run_sao(seed: int, minutes: float, run_dir: Path, extra: list[str]) -> tuple
                "--set", f"env.seed={seed}", "--set", f"sampler.seed={seed}", *extra]
     launched = time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
-        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=ends_with_this_process())
     if completed.returncode != 0:
         raise SystemExit(f"sao run failed ({completed.returncode}): see {run_dir.parent / (run_dir.name + '.log')}")
     return sao_checkpoints(run_dir, launched), time.time() - launched
@@ -228,7 +235,8 @@ def run_trl(python: str, setup: dict) -> tuple[list[dict], float]:
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(out / "trl.log", "w") as log:
         completed = subprocess.run([python, str(REPO / "benchmarks" / "_trl_peer.py"), str(setup_path)],
-                                   stdout=log, stderr=subprocess.STDOUT, env=environ)
+                                   stdout=log, stderr=subprocess.STDOUT, env=environ,
+                                   preexec_fn=ends_with_this_process())
     if completed.returncode != 0:
         raise SystemExit(f"TRL failed ({completed.returncode}): see {out / 'trl.log'}")
     checkpoints = json.loads((out / "checkpoints.json").read_text())
