@@ -168,7 +168,8 @@ def sao_checkpoints(run_dir: Path, launched: float) -> list[dict]:
     checkpoints = []
     for version in layout.kept_versions():
         published = layout.weights_sidecar(version).stat().st_mtime
-        trained = sum(len(s.get("rewards") or []) for s in steps if s.get("trained_at", 0) <= published + 1e-3)
+        # A step's record names the version it trained from; the versions it led to are above it.
+        trained = sum(len(s.get("rewards") or []) for s in steps if s.get("policy_version", 0) < version)
         checkpoints.append({"label": f"v{version}", "version": version, "wall_s": published - launched,
                             "tokens": trained * per_trajectory, "trajectories": trained})
     return checkpoints

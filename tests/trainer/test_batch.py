@@ -15,6 +15,16 @@ from support.advantages import flat, one_turn
 from support.trainer_runs import synthetic_trajectory
 
 
+class CpuEngine:
+    """What rank_loss needs of an engine: a callable module and its device."""
+
+    def __init__(self, module):
+        self.module, self.device = module, torch.device("cpu")
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 def trajectory(task_id: str, reward: float, copy: int = 0, version: int = 0, prompt_token: int = 0) -> Trajectory:
     step = Step(np.zeros(2, np.int32), np.ones(3, np.int32), np.full(3, -1.0, np.float32), reward, True, 0)
     return Trajectory(f"{task_id}#{copy}", task_id, "arithmetic", "s", version,
@@ -136,13 +146,6 @@ def test_value_head_learns_returns_and_sets_advantages(tiny_config):
     from sao.policy.weights import build_policy
     from sao.trainer.batch import all_rows, rank_loss
 
-    class Engine:  # rank_loss needs only a callable module and its device
-        def __init__(self, module):
-            self.module, self.device = module, torch.device("cpu")
-
-        def __call__(self, *args, **kwargs):
-            return self.module(*args, **kwargs)
-
     policy = build_policy(tiny_config.policy, 8, value_head=True)
     cfg = TrainerConfig(value_head=True, value_coef=1.0, scale_advantages=False)
     batch = [trajectory("a", 1.0, prompt_token=100), trajectory("b", 0.0, prompt_token=200)]  # different states
@@ -150,7 +153,7 @@ def test_value_head_learns_returns_and_sets_advantages(tiny_config):
     optimizer = torch.optim.Adam(policy.value_head.parameters(), lr=0.05)
     first = None
     for _ in range(60):
-        loss, stats = rank_loss(Engine(policy), plan, all_rows(plan, [0, 1]), 2, cfg, 8)
+        loss, stats = rank_loss(CpuEngine(policy), plan, all_rows(plan, [0, 1]), 2, cfg, 8)
         first = stats.value_loss if first is None else first
         optimizer.zero_grad()
         loss.backward()
@@ -187,13 +190,6 @@ def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
     from sao.policy.weights import build_policy
     from sao.trainer.batch import all_rows, length_buckets, rank_loss
 
-    class Engine:
-        def __init__(self, module):
-            self.module, self.device = module, torch.device("cpu")
-
-        def __call__(self, *args, **kwargs):
-            return self.module(*args, **kwargs)
-
     batch = _uneven_batch(8)
     lengths = [x.positions for t in batch for x in training_inputs(t)]
     assert len(length_buckets(lengths, 3)) > 1  # the batch is uneven enough to be split
@@ -206,7 +202,7 @@ def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
         model = copy.deepcopy(policy)
         cfg = TrainerConfig(length_buckets=buckets, scale_advantages=False, **knobs)
         plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=0)
-        loss, stats = rank_loss(Engine(model), plan, all_rows(plan, list(range(len(batch)))), len(batch), cfg, 8)
+        loss, stats = rank_loss(CpuEngine(model), plan, all_rows(plan, list(range(len(batch)))), len(batch), cfg, 8)
         loss.backward()
         results.append((loss.detach(), stats, {name: p.grad.clone() for name, p in model.named_parameters()
                                                if p.grad is not None}))
@@ -264,13 +260,6 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     from sao.policy.weights import build_policy
     from sao.trainer.batch import all_rows, plan_rows, rank_loss
 
-    class Engine:
-        def __init__(self, module):
-            self.module, self.device = module, torch.device("cpu")
-
-        def __call__(self, *args, **kwargs):
-            return self.module(*args, **kwargs)
-
     right_retry = retry("a", 0.5)
     right_retry.steps[1] = replace(right_retry.steps[1], action_ids=np.array([7, 8, 9, 2], np.int32),
                                    behaviour_logprobs=np.full(4, -1.0, np.float32))
@@ -291,7 +280,7 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     assert plan_batch(batch, baseline, grpo, 0).hindsight == {}  # the comparison baseline stays plain GRPO
 
     policy = build_policy(tiny_config.policy, 8)
-    loss, stats = rank_loss(Engine(policy), plan, [(0, (2,))], 1, cfg, 8)
+    loss, stats = rank_loss(CpuEngine(policy), plan, [(0, (2,))], 1, cfg, 8)
     assert stats.ratio_mean == pytest.approx(1.0) and stats.tokens == 4 and torch.isfinite(loss)
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
@@ -306,13 +295,6 @@ def test_a_turn_that_begins_the_next_turns_row_is_scored_inside_it_with_the_same
     from sao.policy.weights import build_policy
     from sao.schema import Memory
     from sao.trainer.batch import all_rows, rank_loss, sequences
-
-    class Engine:
-        def __init__(self, module):
-            self.module, self.device = module, torch.device("cpu")
-
-        def __call__(self, *args, **kwargs):
-            return self.module(*args, **kwargs)
 
     rng = np.random.default_rng(5)
     steps = [Step(rng.integers(3, 400, 3).astype(np.int32), rng.integers(3, 400, length).astype(np.int32),
@@ -334,7 +316,7 @@ def test_a_turn_that_begins_the_next_turns_row_is_scored_inside_it_with_the_same
         merged = replace(plan, merge_turns=merge)
         rows = all_rows(merged, [0, 1, 2])
         assert len(rows) == (3 if merge else 4)
-        loss, stats = rank_loss(Engine(policy), merged, rows, 3, cfg, 8)
+        loss, stats = rank_loss(CpuEngine(policy), merged, rows, 3, cfg, 8)
         loss.backward()
         results.append((loss.detach(), stats.tokens, [p.grad.clone() for p in policy.parameters() if p.grad is not None]))
     (merged_loss, merged_tokens, merged_grads), (loss, tokens, grads) = results
