@@ -251,7 +251,10 @@ class CompressionConfig(Section):
 
 
 class SamplerConfig(Section):
-    num_samplers: int = Field(2, ge=1, description="Sampler processes `sao run` starts.")
+    num_samplers: int = Field(
+        1, ge=1, description="Sampler processes `sao run` starts. On one machine one process batching more episodes "
+                             "(sampler.rollout_batch) spends fewer CPU seconds a token than several batching fewer "
+                             "(measured: benchmarks/README.md); more pay off on more machines or GPUs.")
     torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
     seed: int = Field(0, ge=0, lt=2**31, description="Seed of the samplers' sampling, mixed with each sampler's id "
                                                       "(env.seed fixes the tasks; this, which tokens are drawn).")
@@ -278,8 +281,9 @@ class SamplerConfig(Section):
         False, description="engine = vllm: torch.compile the model at engine start (CUDA graphs on a GPU) instead of "
                            "running it eagerly; faster per token, a longer start.")
     rollout_batch: int = Field(
-        4, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
-                             "refilled as soon as its episode ends); each is still one trajectory with its own env.")
+        8, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
+                             "refilled as soon as its episode ends); each is still one trajectory with its own env. "
+                             "run.max_trajectories_in_flight bounds how far all samplers together run ahead.")
     publish_in_order: bool = Field(
         True, description="Hand finished episodes on in the order they started: one that ends early waits for the "
                           "episodes started before it (generation goes on meanwhile). Without it the quick episodes "

@@ -126,9 +126,8 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
     console.print(f"held-out evaluation: base model v0 vs final v{final} on up to {config.run.heldout_cap} "
                   "tasks never trained on (greedy; Ctrl-C skips it) ...")
     try:
-        # The trainer and samplers have exited: their CPU threads are free for this.
-        result = compare(config, run_dir.root, final, threads=config.sampler.num_samplers * config.sampler.torch_threads,
-                         kept=kept)
+        # The trainer and samplers have exited: every CPU this process may use is free for this.
+        result = compare(config, run_dir.root, final, threads=len(os.sched_getaffinity(0)), kept=kept)
     except KeyboardInterrupt:
         console.print("[yellow]held-out evaluation interrupted: the summary has no held-out figures[/]")
         return
