@@ -117,14 +117,14 @@ class TrajectoryArchive:
                                                      "offset": offset, "value": value})
 
     def step(self, step: int | None, policy_version: int, batch: list[Position], trained: list[Position],
-             applied: bool, learning_rate: float, passes: list[list[tuple[int, int]]],
+             applied: bool, learning_rate: float, passes: list[list[tuple[int, tuple[int, ...]]]],
              skipped_reason: str | None = None) -> None:
         """An optimizer step over `batch` (in the order the loss saw it). `trained`: what was scored in the end
-        (the batch less what raised); `passes`: the micro-batches, as (index in trained, turn) rows."""
+        (the batch less what raised); `passes`: the micro-batches, as (index in trained, turns) rows."""
         self._append({"kind": "step", "step": step, "policy_version": policy_version,
                       "batch": [list(p) for p in batch], "trained": [list(p) for p in trained], "applied": applied,
                       "skipped_reason": str(skipped_reason) if skipped_reason else None,
-                      "learning_rate": learning_rate, "passes": [[list(row) for row in rows] for rows in passes]})
+                      "learning_rate": learning_rate, "passes": logged_passes(passes)})
         self.flush()
 
     def rollback(self, event: dict[str, int]) -> None:
@@ -156,6 +156,11 @@ class TrajectoryArchive:
         if not self.handle.closed:
             self.flush()
             self.handle.close()
+
+
+def logged_passes(passes: list[list[tuple[int, tuple[int, ...]]]]) -> list[list[list]]:
+    """Micro-batches as the log keeps them (msgpack has no tuples): each row [index in trained, [turns]]."""
+    return [[[index, list(turns)] for index, turns in rows] for rows in passes]
 
 
 def read_records(path: Path, limit: int | None = None) -> Iterator[dict[str, Any]]:

@@ -31,7 +31,7 @@ from sao.policy.chain import read_version_state
 from sao.policy.deltas import PUBLISH_DTYPES, cast_state, state_sha256, tensor_sha256s
 from sao.run_dir import RunDir
 from sao.schema import Trajectory, decode
-from sao.trainer.archive import Position, TrajectoryLog
+from sao.trainer.archive import Position, TrajectoryLog, logged_passes
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards
 from sao.trainer.engine import learning_rate_at, set_learning_rate, shutdown
@@ -167,7 +167,7 @@ class Replay:
             trained = [list(where[id(t)]) for t in outcome.plan.trajectories]
             if trained != event["trained"]:
                 raise ReplayMismatch(f"step {step + 1}: trained on {trained}, the run on {event['trained']}")
-            passes = [[list(row) for row in rows] for rows in outcome.passes]
+            passes = logged_passes(outcome.passes)
             if passes != event["passes"]:
                 raise ReplayMismatch(f"step {step + 1}: micro-batches {passes}, the run's {event['passes']}")
         record_rewards(outcome.plan, baseline)

@@ -28,7 +28,7 @@ import torch
 from sao.config import TrainerConfig
 from sao.dead_letters import DeadLetterReason
 from sao.schema import Trajectory
-from sao.trainer.batch import BatchPlan, all_rows, micro_batches, rank_loss
+from sao.trainer.batch import BatchPlan, Row, all_rows, micro_batches, rank_loss
 from sao.trainer.distributed import agreed_max, all_reduce_stats, rank, world_size
 from sao.trainer.engine import reset_after_failed_pass
 from sao.trainer.objectives import LossStats
@@ -46,7 +46,7 @@ class StepOutcome:
     forward_backward_s: float = 0.0
     optimizer_s: float = 0.0
     interrupted: bool = False  # stopped between two passes: nothing applied, the batch is to be trained later
-    passes: list[list[tuple[int, int]]] = field(default_factory=list)  # this rank's micro-batches of (index, turn) rows
+    passes: list[list[Row]] = field(default_factory=list)  # this rank's micro-batches of (index, turns) rows
 
     @property
     def skipped_reason(self) -> DeadLetterReason | None:

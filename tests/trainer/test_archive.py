@@ -11,10 +11,10 @@ def test_a_resume_cuts_what_came_after_its_checkpoint_and_logs_each_message_once
     first.life(0, 0, False, 1, "[trainer]\n")
     first.trajectory("traj", 0, 0, b"a")
     first.trajectory("traj", 0, 1, b"b")
-    first.step(1, 0, [(0, 0), (0, 1)], [(0, 0), (0, 1)], True, 1e-5, [[(0, 0), (1, 0)]])
+    first.step(1, 0, [(0, 0), (0, 1)], [(0, 0), (0, 1)], True, 1e-5, [[(0, (0,)), (1, (0, 1))]])
     checkpoint = first.durable_length()
     first.trajectory("traj", 0, 2, b"c")  # read after the checkpoint by a life that then dies
-    first.step(2, 1, [(0, 2)], [(0, 2)], True, 1e-5, [[(0, 0)]])
+    first.step(2, 1, [(0, 2)], [(0, 2)], True, 1e-5, [[(0, (0,))]])
     first.handle.write(b"\x40\x00\x00\x00torn")  # killed mid-record
     first.handle.flush()
 
@@ -28,6 +28,8 @@ def test_a_resume_cuts_what_came_after_its_checkpoint_and_logs_each_message_once
     assert kinds == [("life", 0), ("trajectory", 0), ("trajectory", 1), ("step", 1), ("life", 1), ("trajectory", 2)]
     assert second.stats.trajectories == 1 and second.stats.bytes == path.stat().st_size
     log = TrajectoryLog.read(path)
+    # A pass's rows as msgpack keeps them, which is how replay compares its own: [index, [turns scored in the row]].
+    assert [e["passes"] for e in log.events if e["kind"] == "step"] == [[[[0, [0]], [1, [0, 1]]]]]
     assert log.messages == {(0, 0): b"a", (0, 1): b"b", (0, 2): b"c"}
 
 
