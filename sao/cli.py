@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -455,11 +456,14 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
     """Rebuild every published version from the base weights and the run's trajectory log, no broker; each is
     checked against the run's state_sha256, and the first difference ends it (exit 1) naming step and tensor."""
     _setup_logging()
-    from sao.trainer.archive import ArchiveError
+    from sao.trainer.archive import ArchiveError, TrajectoryLog
     from sao.trainer.replay import CannotReplay, ReplayMismatch
     from sao.trainer.replay import replay as replay_run
 
     try:
+        ranks = TrajectoryLog.read(RunDir(run_dir).trajectory_log).world_size()
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # each rank of the run replays as itself
+            raise typer.Exit(_relaunch_on_ranks(ranks))
         result = replay_run(run_dir, set_, out)
     except (ConfigError, ArchiveError, CannotReplay) as err:
         console.print(f"[red]cannot replay:[/] {escape(str(err))}", soft_wrap=True)
@@ -467,10 +471,21 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
     except ReplayMismatch as err:
         console.print(f"[red]replay mismatch:[/] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(1) from err
+    if os.environ.get("RANK", "0") != "0":
+        return  # rank 0 says it for all
     checked = f"{result.checked} of {result.versions} versions match the run's hashes" if result.checked else \
         f"{result.versions} versions rebuilt (not checked: another setting)"
     console.print(f"replayed {result.steps} steps in {result.seconds:.1f} s: {checked}"
                   + (f"; written to {out}" if out is not None else ""))
+
+
+def _relaunch_on_ranks(ranks: int) -> int:
+    """Run this same command again under torch.distributed.run on `ranks` local ranks; its exit code."""
+    from sao.transport.broker import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(free_port()), "-m", "sao.cli", *sys.argv[1:]]
+    return subprocess.run(command, check=False).returncode
 
 
 @app.command()

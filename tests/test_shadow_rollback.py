@@ -1,7 +1,8 @@
 """A run forced to collapse keeps a version at least as good as its base: shadow validation scores
 the versions, fires the alert on a drop, rolls the trainer back to the best version, and the run's
 summary and report say so. The real policy (SmolLM2-135M) at a learning rate far too high for it:
-its first steps wreck it, and a random tiny model could not show a drop (it solves nothing)."""
+its first steps wreck it, and a random tiny model could not show a drop (it solves nothing). Its
+trajectory log then rebuilds every version the run published, the rollback included, bit for bit."""
 
 import json
 import subprocess
@@ -47,3 +48,10 @@ def test_a_collapsing_run_rolls_back_and_keeps_a_version_as_good_as_its_base(tmp
         kept = RunDir(run_dir)
         assert (run_dir / "policy" / "best").resolve() in (kept.weights(summary["kept_version"]).resolve(),
                                                            kept.best_export(summary["kept_version"]).resolve())
+
+    # The real model's run, its rollback included, replays from its log to the same hashes.
+    replayed = subprocess.run([sys.executable, "-m", "sao.cli", "replay", str(run_dir)], capture_output=True,
+                              text=True, timeout=900)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    published = summary["policy_version"]  # each step's and each rollback's
+    assert f"{published} of {published} versions match" in replayed.stderr, replayed.stderr[-3000:]

@@ -210,6 +210,10 @@ class TrajectoryLog:
     def first_life(self) -> dict[str, Any]:
         return self.events[0]
 
+    def world_size(self) -> int:
+        """How many ranks the run trained on (the most any of its trainer's lives had)."""
+        return max(event["world_size"] for event in self.events if event["kind"] == "life")
+
 
 def _cpu_model() -> str:
     """The CPU's model name (floating-point kernels may differ between CPU families)."""

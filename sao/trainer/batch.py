@@ -10,6 +10,7 @@ equal the full-batch loss: 1 rank and 2 ranks follow the same curve.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -33,6 +34,8 @@ class BatchPlan:
     returns: list[list[float]]  # per trajectory, what each turn is credited with (`turn_returns`)
     # trajectory index -> the retry whose answer is also trained as the first try's (`retry_hindsight`)
     hindsight: dict[int, int] = field(default_factory=dict)
+    # trajectory index -> the hindsight row's action ids, where not the retry's own (`hindsight_reply`)
+    hindsight_actions: dict[int, np.ndarray] = field(default_factory=dict)
     # Score a turn inside the next turn's row when that row begins with it (`sequences`). Off with a
     # value head, which reads one state per row.
     merge_turns: bool = True
@@ -40,23 +43,27 @@ class BatchPlan:
     def alone(self, index: int) -> BatchPlan:
         """The plan of one of its trajectories on its own, with the advantages this batch gave it."""
         hindsight = {0: self.hindsight[index]} if index in self.hindsight else {}
+        actions = {0: self.hindsight_actions[index]} if index in self.hindsight_actions else {}
         return BatchPlan([self.trajectories[index]], [self.advantages[index]], [self.staleness[index]],
-                         [self.returns[index]], hindsight, self.merge_turns)
+                         [self.returns[index]], hindsight, actions, self.merge_turns)
 
 
 def plan_rows(plan: BatchPlan, index: int) -> list[TurnInput]:
     """What a trajectory of the plan trains on: each turn as sampled, then its hindsight row if it has one.
 
-    The hindsight row is the first turn's context answered with the better retry's action: the
-    answer the env's feedback led to, taught as the answer the question itself should get.
+    The hindsight row is the first turn's context answered with the better retry's answer: the
+    answer the env's feedback led to, taught as the answer the question itself should get (in the
+    retry's reply, or the first reply corrected: sao/trainer/hindsight.py).
     """
     inputs = training_inputs(plan.trajectories[index])
     retry = plan.hindsight.get(index)
-    return inputs + [_hindsight_row(inputs, retry)] if retry is not None else inputs
+    if retry is None:
+        return inputs
+    return inputs + [_hindsight_row(inputs, plan.hindsight_actions.get(index, inputs[retry].action_ids))]
 
 
-def _hindsight_row(inputs: list[TurnInput], retry: int) -> TurnInput:
-    return replace(inputs[0], action_ids=inputs[retry].action_ids)
+def _hindsight_row(inputs: list[TurnInput], action_ids: np.ndarray) -> TurnInput:
+    return replace(inputs[0], action_ids=action_ids)
 
 
 def sequences(plan: BatchPlan, index: int) -> list[tuple[int, ...]]:
@@ -107,7 +114,11 @@ def turn_returns(trajectory: Trajectory, credit: str) -> list[float]:
     return list(itertools.accumulate(reversed(rewards)))[::-1]
 
 
-def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int) -> BatchPlan:
+HindsightReply = Callable[[Trajectory, int], "np.ndarray | None"]  # (trajectory, retry) -> action ids, or None
+
+
+def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int,
+               hindsight_reply: HindsightReply | None = None) -> BatchPlan:
     """Per-turn advantages for the whole batch against the baselines as they stand (`record_rewards` updates them).
 
     SAO: a turn's return minus that turn's baseline (`trainer.baseline_key`; never a group mean, which
@@ -119,13 +130,17 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     returns = [turn_returns(t, cfg.turn_credit) for t in batch]
     baselines = _group_means(batch, returns) if cfg.algorithm == "grpo" else baseline.values_for(batch, returns)
     advantages = [[g - b for g, b in zip(own, base)] for own, base in zip(returns, baselines)]
-    hindsight = {}
+    hindsight, actions = {}, {}
     # own_reward: the turns are attempts at one question; GRPO stays the plain comparison baseline.
     if cfg.retry_hindsight and cfg.turn_credit == "own_reward" and cfg.algorithm == "sao":
         hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
-        # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
-        hindsight = {index: retry for index, retry in hindsight.items()
-                     if _hindsight_row(training_inputs(batch[index]), retry).positions <= cfg.micro_batch_tokens}
+        for index, retry in list(hindsight.items()):
+            inputs = training_inputs(batch[index])
+            corrected = hindsight_reply(batch[index], retry) if hindsight_reply is not None else None
+            actions[index] = inputs[retry].action_ids if corrected is None else corrected
+            # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
+            if _hindsight_row(inputs, actions[index]).positions > cfg.micro_batch_tokens:
+                del hindsight[index], actions[index]
         for index, retry in hindsight.items():
             advantages[index].append(advantages[index][retry])  # taught as strongly as the retry itself
     if cfg.scale_advantages:
@@ -135,7 +150,7 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
             advantages.append(flat[start:start + size])
             start += size
     return BatchPlan(batch, advantages, [policy_version - t.behaviour_version for t in batch], returns, hindsight,
-                     merge_turns=not cfg.value_head)
+                     actions, merge_turns=not cfg.value_head)
 
 
 def _group_means(batch: list[Trajectory], returns: list[list[float]]) -> list[list[float]]:

@@ -112,6 +112,7 @@ class Trainer:
         built = build_policy_engine(self.config, self._started)
         self.engine, self.base_policy, self.memory_width = built.engine, built.base_policy, built.memory_width
         self.batch_size, self.accumulation = built.batch_size, built.accumulation
+        self.hindsight_reply = built.hindsight_reply
         return built.validator
 
     def _restore(self, bootstrap: str, resume: bool, resuming: bool, verified: Future | None) -> TrainerState | None:
@@ -326,9 +327,9 @@ class Trainer:
         if cfg.warmup_steps:
             set_learning_rate(self.engine, learning_rate_at(cfg, self.state.step + 1))
         self.step_learning_rate = self.engine.optimizer.param_groups[0]["lr"]  # a DeepSpeed scheduler moves it after
-        outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version),
-                             lambda kept: plan_batch(kept, self.baseline, cfg, version), cfg, self.memory_width,
-                             self.accumulation, lambda: self.stopping, self.base_policy)
+        outcome = train_step(self.engine, plan_batch(batch, self.baseline, cfg, version, self.hindsight_reply),
+                             lambda kept: plan_batch(kept, self.baseline, cfg, version, self.hindsight_reply), cfg,
+                             self.memory_width, self.accumulation, lambda: self.stopping, self.base_policy)
         if outcome.interrupted:
             log.info("stopped during a step: its batch of %d goes back to the buffer, untrained", len(batch))
             if self.is_leader:

@@ -14,8 +14,10 @@ from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig
 from sao.policy.lora import add_lora
 from sao.policy.weights import build_policy, frozen_copy
+from sao.trainer.batch import HindsightReply
 from sao.trainer.distributed import world_size
 from sao.trainer.engine import batch_layout, build_engine
+from sao.trainer.hindsight import hindsight_replies
 from sao.trainer.validation import TrajectoryValidator
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ class PolicyEngine:
     memory_width: int
     batch_size: int  # trajectories per step (DeepSpeed's train_batch_size)
     accumulation: int  # gradient-accumulation chunks per step on each rank
+    hindsight_reply: HindsightReply | None  # a hindsight row's answer where not the retry's (trainer.hindsight_reply)
 
 
 def build_policy_engine(config: SaoConfig, started: Callable[[str], None] = lambda phase: None) -> PolicyEngine:
@@ -55,4 +58,4 @@ def build_policy_engine(config: SaoConfig, started: Callable[[str], None] = lamb
         base_policy.to(engine.device)
     batch_size, accumulation = batch_layout(config.trainer, world_size())
     started("engine")
-    return PolicyEngine(engine, validator, base_policy, width, batch_size, accumulation)
+    return PolicyEngine(engine, validator, base_policy, width, batch_size, accumulation, hindsight_replies(config))

@@ -8,6 +8,11 @@ Each version it rebuilds is hashed as the publisher hashes it and checked agains
 published; the first difference stops it, naming the step, the version, the tensor and, while the
 run still keeps that version's file, the largest absolute difference.
 
+A run trained on several ranks replays on as many (`sao replay` launches them under
+torch.distributed.run): each rank scores the share of each batch it scored in the run, so the same
+gradients meet in the same reductions. The log holds rank 0's micro-batches, checked on rank 0; any
+check that fails on one rank stops every rank, since the others would wait in a collective.
+
 With overrides (`--set trainer.KNOB=VALUE`) the same trajectories train another setting: nothing is
 checked (the versions are meant to differ) and each version is written to `out`, as the publisher
 writes whole files. The importance ratios are then against the new policy, recomputed as the
@@ -17,6 +22,7 @@ trainer always does; the behaviour log-probs stay those the samplers recorded.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ from sao.schema import Trajectory, decode
 from sao.trainer.archive import Position, TrajectoryLog, logged_passes
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards
+from sao.trainer.distributed import agreed_max
 from sao.trainer.engine import learning_rate_at, set_learning_rate, shutdown
 from sao.trainer.policy_engine import PolicyEngine, build_policy_engine
 from sao.trainer.publisher import PolicyPublisher, policy_state
@@ -77,9 +84,11 @@ class Replay:
         if first["step"] != 0:
             raise CannotReplay(f"{self.run_dir.trajectory_log} starts at step {first['step']}, not at the base "
                                  "weights (its trainer resumed after the log was lost): nothing to replay from")
-        ranks = max(life["world_size"] for life in self.log.events if life["kind"] == "life")
-        if ranks != 1:
-            raise CannotReplay(f"the run trained on {ranks} ranks; replay rebuilds 1-rank runs only")
+        ranks, launched = self.log.world_size(), int(os.environ.get("WORLD_SIZE", "1"))
+        if ranks != launched:
+            raise CannotReplay(f"the run trained on {ranks} ranks and this replay has {launched}: replay it on as "
+                               "many (`sao replay` launches them itself)")
+        self.leader = os.environ.get("RANK", "0") == "0"
         self.overrides = list(overrides or [])
         # Another setting written elsewhere is meant to give other versions; alone, it shows where they part.
         self.check = out is None or not self.overrides
@@ -108,7 +117,7 @@ class Replay:
 
     def _publisher(self) -> PolicyPublisher | None:
         """Writes each rebuilt version whole to `out` (nothing is announced)."""
-        if self.out is None:
+        if self.out is None or not self.leader:
             return None
         cfg = self.config.trainer
         return PolicyPublisher(None, "", self.out, keep_versions=1 << 30, publish_dtype=cfg.publish_dtype,
@@ -119,6 +128,8 @@ class Replay:
         baseline = RewardBaseline(cfg.baseline_key, cfg.baseline_momentum)
         first = self.log.first_life()
         step, version = 0, first["policy_version"]
+        if version in self.targets:  # a rollback to the base weights, as the run kept them before its first step
+            snapshots.take(built.engine, version)
         for event in self.log.events:
             kind = event["kind"]
             if kind == "life":
@@ -156,8 +167,9 @@ class Replay:
         learning_rate = built.engine.optimizer.param_groups[0]["lr"]
         if self.check and learning_rate != event["learning_rate"]:
             raise ReplayMismatch(f"step {step + 1}: learning rate {learning_rate}, the run's {event['learning_rate']}")
-        outcome = train_step(built.engine, plan_batch(batch, baseline, cfg, version),
-                             lambda kept: plan_batch(kept, baseline, cfg, version), cfg, built.memory_width,
+        outcome = train_step(built.engine, plan_batch(batch, baseline, cfg, version, built.hindsight_reply),
+                             lambda kept: plan_batch(kept, baseline, cfg, version, built.hindsight_reply), cfg,
+                             built.memory_width,
                              built.accumulation, base_policy=built.base_policy)
         if not outcome.applied:
             raise ReplayMismatch(f"step {step + 1}: applied in the run, not in replay "
@@ -167,9 +179,12 @@ class Replay:
             trained = [list(where[id(t)]) for t in outcome.plan.trajectories]
             if trained != event["trained"]:
                 raise ReplayMismatch(f"step {step + 1}: trained on {trained}, the run on {event['trained']}")
+            # The log holds rank 0's passes; a rank raising alone would leave the others in a collective.
             passes = logged_passes(outcome.passes)
-            if passes != event["passes"]:
-                raise ReplayMismatch(f"step {step + 1}: micro-batches {passes}, the run's {event['passes']}")
+            differs = self.leader and passes != event["passes"]
+            if agreed_max(int(differs), built.engine.device):
+                raise ReplayMismatch(f"step {step + 1}: rank 0's micro-batches differ from the run's"
+                                     + (f": {passes}, the run's {event['passes']}" if differs else ""))
         record_rewards(outcome.plan, baseline)
         self.result.steps += 1
 

@@ -279,6 +279,20 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     grpo = cfg.model_copy(update={"algorithm": "grpo", "group_size": 1})
     assert plan_batch(batch, baseline, grpo, 0).hindsight == {}  # the comparison baseline stays plain GRPO
 
+    # trainer.hindsight_reply = corrected: the first reply in its own words, its answer put right by the retry's.
+    from sao.trainer.hindsight import hindsight_replies
+
+    corrected = tiny_config.model_copy(update={"trainer": cfg.model_copy(update={"hindsight_reply": "corrected"})})
+    reply = hindsight_replies(corrected)
+    text = lambda ids: reply.tokenizer.decode(ids)  # noqa: E731
+    said = lambda words: np.array(reply.tokenizer.encode(words, add_special_tokens=False), np.int32)  # noqa: E731
+    worded = replace(right_retry, steps=[replace(right_retry.steps[0], action_ids=said("3 - 5 = 2<|im_end|>")),
+                                         replace(right_retry.steps[1], action_ids=said("Not 2: it is -2.<|im_end|>"))])
+    assert text(plan_rows(plan_batch([worded], baseline, cfg, 0, reply), 0)[2].action_ids) == "3 - 5 = -2<|im_end|>"
+    unsaid = replace(worded, steps=[replace(worded.steps[0], action_ids=said("I cannot say.<|im_end|>")),
+                                    worded.steps[1]])  # no answer to correct: the retry's reply is taught
+    assert text(plan_rows(plan_batch([unsaid], baseline, cfg, 0, reply), 0)[2].action_ids) == "Not 2: it is -2.<|im_end|>"
+
     policy = build_policy(tiny_config.policy, 8)
     loss, stats = rank_loss(CpuEngine(policy), plan, [(0, (2,))], 1, cfg, 8)
     assert stats.ratio_mean == pytest.approx(1.0) and stats.tokens == 4 and torch.isfinite(loss)

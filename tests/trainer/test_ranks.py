@@ -34,7 +34,7 @@ VARIANTS = {  # name: (ranks, extra [trainer] TOML)
 @pytest.mark.slow
 def test_ranks_accumulation_and_offload_follow_one_loss_curve(kafka_bootstrap, unique_topic_prefix, tmp_path):
     """2 ranks, 2 accumulation micro-batches, CPU offload and passes cut by a token budget train exactly like
-    1 plain rank."""
+    1 plain rank; `sao replay` rebuilds the 2-rank run's versions bit for bit."""
     # One partition: every run reads the same trajectories in the same order.
     produce_trajectories(kafka_bootstrap, unique_topic_prefix, partitions=1)
     status = {}
@@ -58,3 +58,9 @@ def test_ranks_accumulation_and_offload_follow_one_loss_curve(kafka_bootstrap, u
     # ZeRO-3: each of 2 ranks holds about half the parameters and optimizer state.
     for key in ("param_bytes", "optimizer_state_bytes"):
         assert status["two_ranks"]["memory"][key] < 0.6 * one["memory"][key], key
+
+    # Each rank scores its own share again, in as many passes as in the run (a different number per rank).
+    replayed = subprocess.run([sys.executable, "-m", "sao.cli", "replay", str(tmp_path / "token_passes")],
+                              capture_output=True, text=True, timeout=600)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    assert "5 of 5 versions match" in replayed.stderr, replayed.stderr[-3000:]

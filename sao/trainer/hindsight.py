@@ -1,0 +1,50 @@
+"""What a hindsight row answers the first try's question with (`trainer.hindsight_reply`).
+
+A right retry after a wrong first try teaches the first turn an answer (sao/trainer/batch.py). The
+retry's own reply is worded for the feedback it answered ("10 is incorrect. The answer is 0."),
+and taught to the first turn that wording spreads to first tries. `corrected` teaches instead the
+first reply itself with its answer put right by the retry's, as the env says where a reply's answer
+stands (`corrected_reply` on the env class): the first try's own words and working, one answer
+changed. Envs without `corrected_reply`, and replies that state no answer, keep the retry's reply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sao.config import SaoConfig
+from sao.envs.registry import env_class
+from sao.policy.loading import load_tokenizer
+from sao.schema import Trajectory
+
+
+class CorrectedReplies:
+    """The first turn's action ids with the answer of turn `retry` in place of its own, or None."""
+
+    def __init__(self, config: SaoConfig):
+        self.tokenizer = load_tokenizer(config.policy.model, config.policy.cache_dir)
+        self.special = set(self.tokenizer.all_special_ids)
+        self.env_config = config.env
+        self.correct = env_class(config.env.name).corrected_reply
+
+    def __call__(self, trajectory: Trajectory, retry: int) -> np.ndarray | None:
+        first = [int(token) for token in trajectory.steps[0].action_ids]
+        end = len(first)
+        while end and first[end - 1] in self.special:  # the stop token stays as sampled
+            end -= 1
+        text = self.correct(self.env_config, self.tokenizer.decode(first[:end]),
+                            self.tokenizer.decode(trajectory.steps[retry].action_ids, skip_special_tokens=True))
+        if text is None:
+            return None
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + first[end:]
+        return np.asarray(ids, dtype=np.int32)
+
+
+def hindsight_replies(config: SaoConfig) -> CorrectedReplies | None:
+    """The corrector `trainer.hindsight_reply` asks for; None: the retry's own reply is taught."""
+    cfg = config.trainer
+    if not cfg.retry_hindsight or cfg.hindsight_reply != "corrected":
+        return None
+    if not hasattr(env_class(config.env.name), "corrected_reply"):
+        return None
+    return CorrectedReplies(config)
