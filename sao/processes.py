@@ -1,10 +1,13 @@
-"""Child processes that end with the process that started them (Linux's PR_SET_PDEATHSIG)."""
+"""Processes and threads: children that end with the process that started them (Linux's PR_SET_PDEATHSIG), one
+call on a thread of its own, and when this process started."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -19,3 +22,19 @@ def die_with_parent(parent_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def in_background(function: Callable, *args) -> Future:
+    """`function(*args)` on a thread of its own; `result()` waits for it and raises what it raised."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-call")
+    try:
+        return pool.submit(function, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its call
+
+
+def process_started_at() -> float:
+    """Unix time this process started (imports included)."""
+    import psutil  # a DeepSpeed dependency, so always installed with the trainer
+
+    return psutil.Process().create_time()

@@ -13,16 +13,21 @@ beyond this check: the checkpoint folder must be writable by the trainer alone.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
 import re
 import shutil
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from sao.policy.weights import sha256_file
+
+log = logging.getLogger(__name__)
 
 _STATE_FILE = "sao_state.json"
 _LATEST_FILE = "latest"
@@ -183,3 +188,38 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def rng_state(replay_rng: random.Random) -> dict:
+    """torch's and the replay buffer's RNG states, as JSON for `TrainerState.rng`."""
+    return {"torch": torch.get_rng_state().tolist(), "replay": _jsonable(replay_rng.getstate())}
+
+
+def restore_rng(state: TrainerState, replay_rng: random.Random) -> None:
+    """Set both RNGs as `state` recorded them (a fresh state records none): a resumed run draws what it would have."""
+    if state.rng:
+        torch.set_rng_state(torch.tensor(state.rng["torch"], dtype=torch.uint8))
+        replay_rng.setstate(_tupled(state.rng["replay"]))
+
+
+def _jsonable(state):
+    """random.Random state (nested tuples) as JSON lists."""
+    return [_jsonable(item) for item in state] if isinstance(state, tuple) else state
+
+
+def _tupled(state):
+    return tuple(_tupled(item) for item in state) if isinstance(state, list) else state
+
+
+def next_free_version(state: TrainerState, announced: Future[int] | None, device) -> int:
+    """After a resume, the version to go on from: above every version ever announced (`announced`, read by rank 0
+    and broadcast), not the checkpoint's. A crashed run may have announced versions after its last checkpoint;
+    reusing their numbers would leave samplers that loaded them on the abandoned weights."""
+    version = torch.tensor([state.policy_version], dtype=torch.long, device=device)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        version[0] = max(state.policy_version, announced.result())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(version, src=0)
+    if int(version) != state.policy_version:
+        log.info("resuming at policy v%d: versions up to it were announced before the crash", int(version))
+    return int(version)

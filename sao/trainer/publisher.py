@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from sao import metrics
+from sao.config import SaoConfig
 from sao.policy.chain import chain_versions
 from sao.policy.deltas import (
     DELTA_MAX_SNAPSHOT_SHARE,
@@ -77,6 +78,19 @@ class PolicyPublisher:
         self.pinned: Callable[[], set[int]] = set
         # Samplers read only announcements signed with the run's key, kept beside the weights (made once per run).
         self.key = ensure_announce_key(run_dir.policy_dir)
+
+    @classmethod
+    def for_trainer(cls, config: SaoConfig, producer, bootstrap: str, run_dir: RunDir) -> PolicyPublisher:
+        """The trainer's publisher as `trainer.*` and `policy.transport` say (`producer` None off rank 0)."""
+        cfg = config.trainer
+        weights = None
+        if config.policy.transport == "kafka" and producer is not None:
+            weights = WeightsSender(producer, bootstrap, config.topics.weights, config.policy.chunk_bytes,
+                                    chain_length=cfg.snapshot_every if cfg.publish_deltas else 1)
+        publisher = cls(producer, config.topics.policy, run_dir, cfg.keep_versions, cfg.publish_dtype,
+                        cfg.publish_deltas, cfg.snapshot_every, weights, lora=cfg.lora.rank > 0)
+        publisher.hash_states = cfg.keep_trajectory_log  # the trajectory log records every version's hashes
+        return publisher
 
     def publish(self, engine, version: int, trainer_step: int) -> PolicyAnnouncement | None:
         """Collective: every rank must call it. Rank 0 writes and announces; others get None."""

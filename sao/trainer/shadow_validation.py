@@ -170,3 +170,25 @@ class ShadowValidation:
                         "(RUN_DIR/policy/best)", "the final version" if final else "version", drop.version,
                         -drop.gap, drop.best, drop.best)
             metrics.record_shadow_drop()
+
+
+class NoShadow:
+    """trainer.shadow_every = 0: no version is scored, so none is rolled back or pinned."""
+
+    def pinned(self) -> set[int]:
+        return set()
+
+    def offer(self, engine, version: int) -> None:
+        pass
+
+    def verdict(self, engine) -> int | None:
+        return None
+
+    def finish(self, final_version: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def status(self) -> dict | None:
+        return None

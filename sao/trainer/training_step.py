@@ -28,6 +28,7 @@ import torch
 from sao.config import TrainerConfig
 from sao.dead_letters import DeadLetterReason
 from sao.schema import Trajectory
+from sao.status import StepRecord, attempt_success
 from sao.trainer.batch import BatchPlan, Row, all_rows, micro_batches, rank_loss
 from sao.trainer.distributed import agreed_max, all_reduce_stats, rank, world_size
 from sao.trainer.engine import reset_after_failed_pass
@@ -47,6 +48,27 @@ class StepOutcome:
     optimizer_s: float = 0.0
     interrupted: bool = False  # stopped between two passes: nothing applied, the batch is to be trained later
     passes: list[list[Row]] = field(default_factory=list)  # this rank's micro-batches of (index, turns) rows
+
+    def record(self, step: int, trained_version: int, grad_norm: float | None, learning_rate: float,
+               phase_s: dict[str, float], step_s: float) -> StepRecord:
+        """An applied step's record for the progress file and Prometheus, its phases' seconds in `phase_s`."""
+        plan, stats, now = self.plan, self.stats, time.time()
+        attempts = [attempt_success([turn.reward for turn in t.steps]) for t in plan.trajectories]
+        return StepRecord(
+            step=step, policy_version=trained_version, trained_at=now,
+            rewards=[t.total_reward for t in plan.trajectories],
+            advantages=[a for turns in plan.advantages for a in turns],
+            behaviour_versions=[t.behaviour_version for t in plan.trajectories], staleness=list(plan.staleness),
+            compression_ratios=[t.compression.get("ratio", 1.0) for t in plan.trajectories],
+            sampling_to_training_s=[now - t.created_at for t in plan.trajectories],
+            loss=stats.loss, ratio_mean=stats.ratio_mean, ratio_abs_dev=stats.ratio_abs_dev,
+            clip_fraction=stats.clip_fraction, kl_k3=stats.kl_k3, value_loss=stats.value_loss,
+            token_nll=stats.token_nll, kl_to_base=stats.kl_to_base if math.isfinite(stats.kl_to_base) else None,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), step_s=step_s,
+            learning_rate=learning_rate, wait_s=phase_s["wait"], forward_backward_s=phase_s["forward_backward"],
+            optimizer_s=phase_s["optimizer"], publish_s=phase_s["publish"],
+            first_attempt_success=[first for first, _ in attempts],
+            second_attempt_success=[second for _, second in attempts])
 
     @property
     def skipped_reason(self) -> DeadLetterReason | None:
