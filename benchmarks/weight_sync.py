@@ -103,15 +103,12 @@ def sync_once(arm: str, base: dict, upcoming: dict, policy, folder: Path) -> dic
 
 def measure_sync(base: dict, upcoming: dict, repeats: int) -> dict:
     """Every arm `repeats` times, alternated, into the default config's policy on the CPU, as a sampler holds it."""
-    from sao.compression.bottleneck import memory_width, resolve_bottleneck
-    from sao.compression.semantic import encoder_dim, encoder_name
     from sao.config import load_config
+    from sao.policy.recipe import PolicyRecipe
     from sao.policy.weights import build_policy, place_for_sampling
 
     config = load_config(overrides=[], environ={})
-    compression = config.compression
-    width = memory_width(resolve_bottleneck(compression.bottleneck, encoder_name(compression.encoder)),
-                         encoder_dim(compression.encoder))
+    width = PolicyRecipe.from_config(config).memory_width
     policy = place_for_sampling(build_policy(config.policy, width), "cpu")
     # Every arm syncs BASE -> NEXT into the plain policy but the LoRA arm, which syncs adapter states.
     versions = {arm: (base, upcoming, policy) for arm in ARMS}

@@ -506,10 +506,9 @@ def export(out: Annotated[Path, typer.Option(help="Folder to write (new or empty
         config = RunDir(run_dir).config
     cfg = _config(config, set_)
     from sao.policy.export import export_version
+    from sao.policy.recipe import PolicyRecipe
     from sao.policy.weights import WeightsMismatch
     from sao.sampler.evaluation import best_version
-    from sao.sampler.rollout import sampling_policy
-
     try:
         if version == "best":
             number = best_version(run_dir)
@@ -517,7 +516,7 @@ def export(out: Annotated[Path, typer.Option(help="Folder to write (new or empty
             number = max(RunDir(run_dir).kept_versions(), default=0)
         else:
             number = _version_number(version, "`best` or `final`")
-        facts = export_version(cfg, sampling_policy(cfg, device="cpu"), run_dir, number, out)
+        facts = export_version(cfg, PolicyRecipe.from_config(cfg).for_sampling("cpu"), run_dir, number, out)
     except (FileNotFoundError, FileExistsError, ValueError, WeightsMismatch) as err:
         console.print(f"[red]{err}[/]")
         raise typer.Exit(2) from err

@@ -400,8 +400,9 @@ class TrainerConfig(Section):
         True, description="sao with own_reward credit: a retry that earned more than the first try is also trained as "
                           "the first try's answer, with the retry's advantage: the env's feedback teaches the question.")
     hindsight_reply: Literal["retry", "corrected"] = Field(
-        "retry", description="What that hindsight row answers with: the retry's own reply, or the first reply with its "
-                             "answer put right by the retry's (envs that say where a reply's answer stands).")
+        "corrected", description="What that hindsight row answers with: the first reply with its answer put right by "
+                                 "the retry's (envs that say where a reply's answer stands; others: the retry's), or "
+                                 "the retry's own reply.")
     scale_advantages: bool = Field(True, description="Scale advantages over the batch's turns to unit size (root mean "
                                                       "square 1; with center_advantages, mean 0 and std 1).")
     center_advantages: bool = Field(

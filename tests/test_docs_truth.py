@@ -142,6 +142,7 @@ QUOTED_DEFAULTS = [
     ("scaled over the batch to unit root mean square but not centred", "trainer.center_advantages", False),
     ("`freshness_decay ** staleness` (default 1)", "trainer.freshness_decay", 1.0),
     ("a right retry's answer is also taught to the first try", "trainer.retry_hindsight", True),
+    ("in the first reply's own words", "trainer.hindsight_reply", "corrected"),
 ]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from sao.compression.accounting import compression_stats
-from sao.compression.bottleneck import Bottleneck, basis_name, describe, memory_width, resolve_bottleneck
+from sao.compression.bottleneck import Bottleneck, basis_name
 from sao.compression.pipeline import OnlineCompressor
 from sao.compression.semantic import SemanticEncoder, load_encoder
 from sao.compression.temporal import TemporalFilter, load_temporal_filter
@@ -22,10 +22,9 @@ from sao.envs.registry import generation_settings, make_env
 from sao.policy.chat import ChatFormat, turn_text
 from sao.policy.context import TurnInput, turn_tokens
 from sao.policy.loading import load_tokenizer, resolve_model_path
-from sao.policy.lora import attach_adapter_merge
 from sao.policy.model import MemoryPolicy
+from sao.policy.recipe import PolicyRecipe
 from sao.policy.vllm_engine import VllmEngine, vllm_installed
-from sao.policy.weights import build_policy, place_for_sampling
 from sao.schema import Memory, Step, Task, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -146,10 +145,10 @@ class Roller:
         scorer start here, so both read memory exactly as the trainer expects it."""
         encoder = load_encoder(config.compression.encoder)
         temporal_filter = load_temporal_filter(config.compression.temporal_weights, config.compression.keep_threshold)
-        bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder.name)
-        logger.info(describe(bottleneck, encoder.dim))
-        policy = sampling_policy(config, encoder, bottleneck)
-        return cls(config, policy, encoder, temporal_filter, sampler_id, seed, bottleneck=bottleneck,
+        recipe = PolicyRecipe.from_config(config)
+        logger.info(recipe.describe())
+        policy = recipe.for_sampling()
+        return cls(config, policy, encoder, temporal_filter, sampler_id, seed, bottleneck=recipe.bottleneck,
                    engine=_engine_for(config, policy, seed))
 
     def weights_changed(self) -> float:
@@ -236,18 +235,6 @@ class Roller:
                     done += 1
                     if on_done is not None:
                         on_done(done)
-
-
-def sampling_policy(config: SaoConfig, encoder: SemanticEncoder | None = None, bottleneck: Bottleneck | None = None,
-                    device: str | None = None) -> MemoryPolicy:
-    """Version 0 of the policy as a sampler holds it: the LM and its projector composed with the memory
-    bottleneck, placed on `device` (default sampler.device), set to merge a LoRA run's published adapters."""
-    encoder = encoder or load_encoder(config.compression.encoder)
-    bottleneck = bottleneck if bottleneck is not None else resolve_bottleneck(config.compression.bottleneck,
-                                                                               encoder.name)
-    policy = build_policy(config.policy, memory_width(bottleneck, encoder.dim), encoder=config.compression.encoder,
-                          bottleneck=bottleneck)
-    return attach_adapter_merge(place_for_sampling(policy, device or config.sampler.device), config.trainer.lora)
 
 
 def _engine_for(config: SaoConfig, policy: MemoryPolicy, seed: int) -> VllmEngine | None:

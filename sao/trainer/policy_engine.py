@@ -9,11 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sao.compression.bottleneck import basis_name, describe, memory_width, resolve_bottleneck
-from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig
-from sao.policy.lora import add_lora
-from sao.policy.weights import build_policy, frozen_copy
+from sao.policy.recipe import PolicyRecipe
+from sao.policy.weights import frozen_copy
 from sao.trainer.batch import HindsightReply
 from sao.trainer.distributed import world_size
 from sao.trainer.engine import batch_layout, build_engine
@@ -37,18 +35,13 @@ class PolicyEngine:
 def build_policy_engine(config: SaoConfig, started: Callable[[str], None] = lambda phase: None) -> PolicyEngine:
     """The policy (and its frozen base copy), then the ZeRO-3 engine. `started(phase)` closes the phases
     "model" and "engine" of a caller timing its start-up."""
-    full_width = encoder_dim(config.compression.encoder)  # read from the encoder's folder: no model load
-    bottleneck = resolve_bottleneck(config.compression.bottleneck, encoder_name(config.compression.encoder))
-    width = memory_width(bottleneck, full_width)
-    log.info(describe(bottleneck, full_width))
-    policy = build_policy(config.policy, width, config.trainer.value_head, config.compression.encoder, bottleneck)
-    validator = TrajectoryValidator.for_model(  # before ZeRO-3 wraps the policy
-        policy, width, config, basis_name(bottleneck))
+    recipe = PolicyRecipe.from_config(config)
+    log.info(recipe.describe())
+    policy = recipe.build(config.trainer.value_head)
+    validator = TrajectoryValidator.for_model(policy, recipe.memory_width, config, recipe.basis)  # before ZeRO-3 wraps it
     # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
     base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
-    if config.trainer.lora.rank:
-        torch.manual_seed(config.policy.seed)  # LoRA draws its A matrices: the same draw in every trainer and replay
-        add_lora(policy, config.trainer.lora)
+    recipe.add_adapters(policy)
     started("model")
     # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
     # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.
@@ -58,4 +51,5 @@ def build_policy_engine(config: SaoConfig, started: Callable[[str], None] = lamb
         base_policy.to(engine.device)
     batch_size, accumulation = batch_layout(config.trainer, world_size())
     started("engine")
-    return PolicyEngine(engine, validator, base_policy, width, batch_size, accumulation, hindsight_replies(config))
+    return PolicyEngine(engine, validator, base_policy, recipe.memory_width, batch_size, accumulation,
+                        hindsight_replies(config))
