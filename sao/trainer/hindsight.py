@@ -10,12 +10,16 @@ changed. Envs without `corrected_reply`, and replies that state no answer, keep 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from sao.config import SaoConfig
-from sao.envs.registry import env_class
+from sao.envs.registry import UnknownEnv, env_class
 from sao.policy.loading import load_tokenizer
 from sao.schema import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class CorrectedReplies:
@@ -41,10 +45,14 @@ class CorrectedReplies:
 
 
 def hindsight_replies(config: SaoConfig) -> CorrectedReplies | None:
-    """The corrector `trainer.hindsight_reply` asks for; None: the retry's own reply is taught."""
+    """The corrector `trainer.hindsight_reply` asks for; None: the retry's own reply is taught (or no hindsight row
+    is made: with `trainer.turn_credit` resolved, rows exist only for own_reward credit)."""
     cfg = config.trainer
-    if not cfg.retry_hindsight or cfg.hindsight_reply != "corrected":
+    if not cfg.retry_hindsight or cfg.hindsight_reply != "corrected" or cfg.turn_credit != "own_reward":
         return None
-    if not hasattr(env_class(config.env.name), "corrected_reply"):
+    try:
+        env = env_class(config.env.name)
+    except UnknownEnv as err:  # the trainer never runs the env: a plugin may be installed only where samplers run
+        log.warning("trainer.hindsight_reply corrected: %s; hindsight rows take the retry's own reply", err)
         return None
-    return CorrectedReplies(config)
+    return CorrectedReplies(config) if hasattr(env, "corrected_reply") else None
