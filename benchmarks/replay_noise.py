@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--set", dest="knob", default="trainer.learning_rate=3e-5",
                         help="The trainer setting the replay changes.")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep-weights", action="store_true",
+                        help="Keep the three runs' version files and checkpoints (gigabytes; deleted once scored).")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     original, independent, changed = (args.runs_dir / name for name in ("original", "independent", "changed"))
@@ -85,6 +87,9 @@ def main() -> None:
     config = RunDir(original).config
     by_run = {name: scores(path, config, versions, args.tasks) for name, path in
               (("original", original), ("independent", independent), ("changed", changed))}
+    if not args.keep_weights:  # every version of three runs is kept for scoring: gigabytes
+        for path in (original, independent, changed):
+            RunDir(path).drop_weights()
     rows = []
     for version in versions:
         base = by_run["original"][version]
