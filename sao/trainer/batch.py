@@ -137,10 +137,12 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
         for index, retry in list(hindsight.items()):
             inputs = training_inputs(batch[index])
             corrected = hindsight_reply(batch[index], retry) if hindsight_reply is not None else None
-            actions[index] = inputs[retry].action_ids if corrected is None else corrected
+            if corrected is not None:
+                actions[index] = corrected
             # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
-            if _hindsight_row(inputs, actions[index]).positions > cfg.micro_batch_tokens:
-                del hindsight[index], actions[index]
+            if _hindsight_row(inputs, actions.get(index, inputs[retry].action_ids)).positions > cfg.micro_batch_tokens:
+                del hindsight[index]
+                actions.pop(index, None)
         for index, retry in hindsight.items():
             advantages[index].append(advantages[index][retry])  # taught as strongly as the retry itself
     if cfg.scale_advantages:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from sao.policy.weights import sha256_file
+from sao.trainer.distributed import rank, world_size
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +217,9 @@ def next_free_version(state: TrainerState, announced: Future[int] | None, device
     and broadcast), not the checkpoint's. A crashed run may have announced versions after its last checkpoint;
     reusing their numbers would leave samplers that loaded them on the abandoned weights."""
     version = torch.tensor([state.policy_version], dtype=torch.long, device=device)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank() == 0:
         version[0] = max(state.policy_version, announced.result())
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.broadcast(version, src=0)
     if int(version) != state.policy_version:
         log.info("resuming at policy v%d: versions up to it were announced before the crash", int(version))

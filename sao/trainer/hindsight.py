@@ -11,10 +11,11 @@ changed. Envs without `corrected_reply`, and replies that state no answer, keep 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
-from sao.config import SaoConfig
+from sao.config import EnvConfig, SaoConfig
 from sao.envs.registry import UnknownEnv, env_class
 from sao.policy.loading import load_tokenizer
 from sao.schema import Trajectory
@@ -25,11 +26,11 @@ log = logging.getLogger(__name__)
 class CorrectedReplies:
     """The first turn's action ids with the answer of turn `retry` in place of its own, or None."""
 
-    def __init__(self, config: SaoConfig):
+    def __init__(self, config: SaoConfig, correct: Callable[[EnvConfig, str, str], str | None]):
         self.tokenizer = load_tokenizer(config.policy.model, config.policy.cache_dir)
         self.special = set(self.tokenizer.all_special_ids)
         self.env_config = config.env
-        self.correct = env_class(config.env.name).corrected_reply
+        self.correct = correct  # the env class's `corrected_reply`
 
     def __call__(self, trajectory: Trajectory, retry: int) -> np.ndarray | None:
         first = [int(token) for token in trajectory.steps[0].action_ids]
@@ -55,4 +56,4 @@ def hindsight_replies(config: SaoConfig) -> CorrectedReplies | None:
     except UnknownEnv as err:  # the trainer never runs the env: a plugin may be installed only where samplers run
         log.warning("trainer.hindsight_reply corrected: %s; hindsight rows take the retry's own reply", err)
         return None
-    return CorrectedReplies(config) if hasattr(env, "corrected_reply") else None
+    return CorrectedReplies(config, env.corrected_reply) if hasattr(env, "corrected_reply") else None

@@ -169,8 +169,7 @@ class Replay:
             raise ReplayMismatch(f"step {step + 1}: learning rate {learning_rate}, the run's {event['learning_rate']}")
         outcome = train_step(built.engine, plan_batch(batch, baseline, cfg, version, built.hindsight_reply),
                              lambda kept: plan_batch(kept, baseline, cfg, version, built.hindsight_reply), cfg,
-                             built.memory_width,
-                             built.accumulation, base_policy=built.base_policy)
+                             built.memory_width, built.accumulation, base_policy=built.base_policy)
         if not outcome.applied:
             raise ReplayMismatch(f"step {step + 1}: applied in the run, not in replay "
                                  f"({outcome.skipped_reason or 'every trajectory raised when scored'})")
