@@ -78,7 +78,7 @@ def arm_arguments(arm: str, tasks: int, group_size: int, repeat: int = 0) -> lis
     draws = ["--set", f"sampler.seed={sampler_seed(arm, repeat)}"] if sampler_seed(arm, repeat) else []
     if arm == "grpo":
         return ["--num-tasks", str(max(tasks // group_size, 1)), "--set", 'trainer.algorithm="grpo"',
-                "--set", f"trainer.group_size={group_size}", *draws]
+                "--set", f"trainer.algorithm.group_size={group_size}", *draws]
     mode = ["--set", 'run.mode="sync"'] if arm in ("sync", "resampled") else []
     return ["--num-tasks", str(tasks), *mode, *draws]
 

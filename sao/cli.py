@@ -1,7 +1,7 @@
 """The `sao` command line: run, sampler, trainer, feed, topics, inspect, audit, eval, export, shadow, bench, broker,
 config, compression.
 
-Every flag maps onto one field of the typed config (`sao/config.py`); `--set section.knob=value`
+Every flag maps onto one field of the typed config (`sao/config/`); `--set section.knob=value`
 reaches any other field (every command but `broker` and `bench` takes `--config` and `--set`).
 Flags win over `--set`, which wins over env vars and the TOML file.
 """

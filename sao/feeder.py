@@ -24,7 +24,7 @@ class TasksNotAcknowledged(RuntimeError):
 
 def copies_per_task(config: SaoConfig) -> int:
     """SAO samples each task once; the GRPO baseline samples it group_size times."""
-    return config.trainer.group_size if config.trainer.algorithm == "grpo" else 1
+    return config.trainer.algorithm.copies_per_task
 
 
 def in_flight_cap(config: SaoConfig) -> int:
@@ -35,7 +35,7 @@ def in_flight_cap(config: SaoConfig) -> int:
     other; a third absorbs that, at staleness up to 2 (importance weights correct for it).
     GRPO: one batch, i.e. synchronous - the next batch is sampled only with the new policy.
     """
-    default = config.trainer.batch_size * (1 if config.trainer.algorithm == "grpo" else 3)
+    default = config.trainer.batch_size * config.trainer.algorithm.batches_in_flight
     return max(config.run.max_trajectories_in_flight or default, copies_per_task(config))
 
 

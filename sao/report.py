@@ -182,7 +182,7 @@ def tasks_fed(config: SaoConfig, layout: RunDir) -> int:
     fed = read_status(layout.status("feeder")).get("fed")
     if not isinstance(fed, int):
         return config.run.num_tasks
-    return fed // (config.trainer.group_size if config.trainer.algorithm == "grpo" else 1)
+    return fed // config.trainer.algorithm.copies_per_task
 
 
 def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
@@ -210,7 +210,7 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
         "trajectories_trained": len(rewards),
         "duplicates_dropped": progress.duplicates,
         "tasks_fed": tasks_fed(config, layout),
-        "algorithm": "sao" if config.trainer.algorithm == "sao" else f"grpo (group {config.trainer.group_size})",
+        "algorithm": config.trainer.algorithm.label(),
         "trainer_steps": progress.step,
         "policy_version": progress.policy_version,
         "max_behaviour_version": max(versions, default=0),

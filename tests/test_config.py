@@ -172,3 +172,21 @@ def test_old_knob_names_are_refused_naming_the_new_one(old, new):
     with pytest.raises(ConfigError, match=new.replace(".", r"\.")) as refused:
         load_config(overrides=[old], environ={})
     assert old.split("=")[0] in str(refused.value)
+
+
+def test_algorithm_and_objective_are_tables_of_their_own_knobs_and_the_flat_knobs_still_load(caplog):
+    grpo = load_config(overrides=['trainer.algorithm="grpo"', "trainer.algorithm.group_size=2"], environ={})
+    assert grpo.trainer.algorithm.group_size == 2 and grpo.trainer.algorithm.copies_per_task == 2
+    ppo = load_config(overrides=["trainer.objective={type = 'ppo', clip = 0.1}"], environ={}).trainer.objective
+    assert (ppo.type, ppo.clip, ppo.dual_clip) == ("ppo", 0.1, 3.0)
+    assert load_config(overrides=["trainer.objective.clip=3.0"], environ={}).trainer.objective.clip == 3.0  # tis's
+    with pytest.raises(ConfigError, match=r"trainer\.objective\.dual_clip"):  # a knob of another objective
+        load_config(overrides=["trainer.objective.dual_clip=4.0"], environ={})
+    with pytest.raises(ConfigError, match=r"trainer\.algorithm\.group_size"):
+        load_config(overrides=['trainer.algorithm="grpo"', "trainer.algorithm.group_size=3"], environ={})
+
+    old = load_config(overrides=['trainer.algorithm="grpo"', "trainer.group_size=4", 'trainer.objective="ppo"',
+                                 "trainer.ppo_clip=0.3"], environ={}).trainer
+    assert old.algorithm.group_size == 4 and old.objective.clip == 0.3
+    assert "trainer.group_size is now trainer.algorithm.group_size" in caplog.text
+    assert "trainer.ppo_clip is now trainer.objective.clip" in caplog.text

@@ -137,7 +137,7 @@ QUOTED_DEFAULTS = [
     ("the trainer on 9701", "metrics.trainer_port", 9701),
     ("samplers from 9710 up", "metrics.sampler_port", 9710),
     ("a running mean per prompt by default", "trainer.baseline_key", "prompt"),
-    ("(`min(\u03c1, tis_clip)`)", "trainer.objective", "tis"),
+    ("(`min(\u03c1, clip)`, `trainer.objective`)", "trainer.objective.type", "tis"),
     ("scaled over the batch to unit root mean square but not centred", "trainer.scale_advantages", True),
     ("scaled over the batch to unit root mean square but not centred", "trainer.center_advantages", False),
     ("`freshness_decay ** staleness` (default 1)", "trainer.freshness_decay", 1.0),
@@ -186,29 +186,29 @@ USER_MADE = {"deploy/.env"}
 FILE_SUFFIXES = {"py", "md", "toml", "yml", "yaml", "json", "txt"}
 
 
-def _model_of(annotation) -> type[BaseModel] | None:
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
+def _models_of(annotation) -> list[type[BaseModel]]:
+    """The config tables a field's annotation allows (several for a tagged union such as trainer.objective)."""
+    return [candidate for candidate in (annotation, *typing.get_args(annotation))
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel)]
 
 
 def _is_knob(dotted: str) -> bool:
     """`dotted` names a field of SaoConfig (a `prefix_*` names some); below a dict field anything goes."""
-    model: type[BaseModel] | None = SaoConfig
+    models: list[type[BaseModel]] = [SaoConfig]
     *parents, last = dotted.split(".")
     for part in parents:
-        if model is None:
+        if not models:
             return True
-        field = model.model_fields.get(part)
-        if field is None:
+        fields = [model.model_fields[part] for model in models if part in model.model_fields]
+        if not fields:
             return False
-        model = _model_of(field.annotation)
-    if model is None:
+        models = [inner for field in fields for inner in _models_of(field.annotation)]
+    if not models:
         return True
+    names = {name for model in models for name in model.model_fields}
     if last.endswith("*"):
-        return any(name.startswith(last.rstrip("*")) for name in model.model_fields)
-    return last in model.model_fields
+        return any(name.startswith(last.rstrip("*")) for name in names)
+    return last in names
 
 
 def _defined_metrics() -> set[str]:
@@ -253,7 +253,7 @@ def test_the_name_check_finds_knobs_metrics_alerts_and_paths_that_do_not_exist()
             "`trainer.learning_rat` and `policy.nope.deeper` (not), `trainer.KNOB` (a placeholder); see sampler.py.\n"
             "`sao_trainer_loss`, `sao_trainer_reward_bucket`, `sao_state.json`; `sao_trainer_los` is no metric.\n"
             "Alerts: `SaoTrainerStalled`, `SaoConfig` (a class), `SaoTrainerStaled`.\n"
-            "Files: sao/config.py, [wire](docs/wire-format.md), `benchmarks/NAME.py`, sao/confg.py, [x](nowhere.md).\n")
+            "Files: sao/config/trainer.py, [wire](docs/wire-format.md), `benchmarks/NAME.py`, sao/confg.py, [x](nowhere.md).\n")
     found = unknown_names(text, ROOT, {"sao_trainer_loss", "sao_trainer_reward"}, {"SaoTrainerStalled"}, {"SaoConfig"})
     assert found == ["2: knob trainer.learning_rat", "2: knob policy.nope.deeper", "3: metric sao_trainer_los",
                      "4: alert SaoTrainerStaled", "5: path nowhere.md", "5: path sao/confg.py"]

@@ -1,6 +1,7 @@
 """The feeder through a real broker: async tops up to its cap; sync releases one batch at a time,
 stamped with the version it must be sampled with, and nothing before the trainer has handled it."""
 
+from sao.config import GrpoAlgorithm
 from sao.feeder import Feeder, in_flight_cap
 from sao.schema import Task, decode
 from sao.transport.kafka import read_all
@@ -56,8 +57,7 @@ def test_the_in_flight_cap_is_three_batches_for_sao_one_for_grpo_and_never_below
     config.run.max_trajectories_in_flight = 5
     assert in_flight_cap(config) == 5  # the knob wins
     config.run.max_trajectories_in_flight = None
-    config.trainer.group_size = 4
-    config.trainer.algorithm = "grpo"
+    config.trainer.algorithm = GrpoAlgorithm(group_size=4)
     assert in_flight_cap(config) == 8  # one batch: synchronous
     config.run.max_trajectories_in_flight = 2
     assert in_flight_cap(config) == 4  # never less than one task's group

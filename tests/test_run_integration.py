@@ -123,7 +123,7 @@ def _check_accounting(summary: dict) -> None:
 def test_grpo_baseline_runs_synchronously_on_whole_groups(tmp_path):
     run_dir = tmp_path / "grpo"
     command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", "6", "--samplers", "1",
-               "--run-dir", str(run_dir), "--set", "trainer.algorithm=\"grpo\"", "--set", "trainer.group_size=2",
+               "--run-dir", str(run_dir), "--set", "trainer.algorithm=\"grpo\"", "--set", "trainer.algorithm.group_size=2",
                # Another reasoning-gym dataset than the default: it starts from its own options, not basic_arithmetic's.
                "--set", "env.dataset=\"chain_sum\"",
                "--set", "trainer.batch_size=4", "--set", "policy.max_new_tokens=6", "--set", "run.timeout_s=300",

@@ -238,7 +238,7 @@ class Roller:
 
 
 def _engine_for(config: SaoConfig, policy: MemoryPolicy, seed: int) -> VllmEngine | None:
-    """The vLLM engine `sampler.engine` asks for (see its description in sao/config.py), or None for sao's loop."""
+    """The vLLM engine `sampler.engine` asks for (see its description in sao/config/sampler.py), or None for sao's loop."""
     engine = config.sampler.engine
     on_gpu = next(policy.parameters()).device.type == "cuda"
     if engine == "hf" or (engine == "auto" and not (on_gpu and vllm_installed())):

@@ -128,11 +128,12 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     batch, `env`, cancels).
     """
     returns = [turn_returns(t, cfg.turn_credit) for t in batch]
-    baselines = _group_means(batch, returns) if cfg.algorithm == "grpo" else baseline.values_for(batch, returns)
+    grouped = cfg.algorithm.group_baseline
+    baselines = _group_means(batch, returns) if grouped else baseline.values_for(batch, returns)
     advantages = [[g - b for g, b in zip(own, base)] for own, base in zip(returns, baselines)]
     hindsight, actions = {}, {}
     # own_reward: the turns are attempts at one question; GRPO stays the plain comparison baseline.
-    if cfg.retry_hindsight and cfg.turn_credit == "own_reward" and cfg.algorithm == "sao":
+    if cfg.retry_hindsight and cfg.turn_credit == "own_reward" and not grouped:
         hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
         for index, retry in list(hindsight.items()):
             inputs = training_inputs(batch[index])

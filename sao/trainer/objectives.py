@@ -1,12 +1,12 @@
 """Policy-gradient objectives with off-policy correction, and single-trajectory advantages.
 
 rho = pi_theta(a | c) / mu(a | c) comes from the per-token behaviour log-probs the sampler
-recorded. Three objectives, selected by `trainer.objective`:
+recorded. Three objectives, selected by `trainer.objective.type`:
 - tis: truncated importance sampling. Each token's log-likelihood gradient is weighted by
-  min(rho, tis_clip), detached, so stale samples neither vanish nor explode.
+  min(rho, clip), detached, so stale samples neither vanish nor explode.
 - ppo: decoupled PPO. The clipped surrogate takes rho against the behaviour policy (the
   sampler's log-probs), with a dual clip that bounds the loss for negative advantages.
-- masked: like tis, but tokens whose rho leaves [mask_low, mask_high] are dropped, not truncated.
+- masked: like tis, but tokens whose rho leaves [low, high] are dropped, not truncated.
 A row holds one or more turns of a trajectory (each token weighted by its own turn's advantage);
 losses are summed over tokens and averaged over trajectories, so long answers do not weigh more
 per trajectory.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sao.config import TrainerConfig
+from sao.config import MaskedObjective, PpoObjective, TisObjective, TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,33 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, row_trajectory: torch.Tensor, c
     return per_trajectory[row_trajectory].unsqueeze(-1).expand_as(log_ratio)
 
 
+def _tis(objective: TisObjective, ratio: torch.Tensor, advantage: torch.Tensor,
+         logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = ratio.detach()
+    return -torch.clamp(weight, max=objective.clip) * advantage * logprobs, weight > objective.clip
+
+
+def _ppo(objective: PpoObjective, ratio: torch.Tensor, advantage: torch.Tensor,
+         logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    high = objective.clip_high if objective.clip_high is not None else objective.clip
+    clipped = torch.clamp(ratio, 1 - objective.clip, 1 + high)
+    surrogate = torch.minimum(ratio * advantage, clipped * advantage)
+    if objective.dual_clip is not None:
+        surrogate = torch.where(advantage < 0, torch.maximum(surrogate, objective.dual_clip * advantage), surrogate)
+    return -surrogate, clipped != ratio
+
+
+def _masked(objective: MaskedObjective, ratio: torch.Tensor, advantage: torch.Tensor,
+            logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = ratio.detach()
+    dropped = (weight < objective.low) | (weight > objective.high)
+    return -weight * ~dropped * advantage * logprobs, dropped
+
+
+# Each objective's per-token loss and which tokens its correction touched (truncated, clipped or dropped).
+TOKEN_LOSSES = {"tis": _tis, "ppo": _ppo, "masked": _masked}
+
+
 def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, LossStats]:
     mask = inputs.mask.to(inputs.logprobs.dtype)
     token_log_ratio = (inputs.logprobs - inputs.behaviour_logprobs) * mask
@@ -64,24 +91,8 @@ def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, L
         count = int(inputs.row_trajectory.max()) + 1 if inputs.row_trajectory.numel() else 0
         log_ratio = _sequence_log_ratio(token_log_ratio, inputs.row_trajectory, count) * mask
     ratio = torch.exp(log_ratio)
-    advantage = inputs.token_weights
-    if cfg.objective == "ppo":
-        high = cfg.ppo_clip_high if cfg.ppo_clip_high is not None else cfg.ppo_clip
-        clipped = torch.clamp(ratio, 1 - cfg.ppo_clip, 1 + high)
-        surrogate = torch.minimum(ratio * advantage, clipped * advantage)
-        if cfg.dual_clip is not None:
-            surrogate = torch.where(advantage < 0, torch.maximum(surrogate, cfg.dual_clip * advantage), surrogate)
-        per_token = -surrogate
-        affected = (clipped != ratio).to(mask.dtype)
-    else:
-        weight = ratio.detach()
-        if cfg.objective == "masked":
-            affected = ((weight < cfg.mask_low) | (weight > cfg.mask_high)).to(mask.dtype)
-            weight = weight * (1 - affected)
-        else:
-            affected = (weight > cfg.tis_clip).to(mask.dtype)
-            weight = torch.clamp(weight, max=cfg.tis_clip)
-        per_token = -weight * advantage * inputs.logprobs
+    per_token, affected = TOKEN_LOSSES[cfg.objective.type](cfg.objective, ratio, inputs.token_weights, inputs.logprobs)
+    affected = affected.to(mask.dtype)
     kl_to_base = None
     if inputs.base_logprobs is not None:
         # k3 = r - log r - 1 with r = pi_base / pi_theta: non-negative, unbiased for KL(pi_theta || pi_base)

@@ -119,8 +119,9 @@ class Leader(Follower):
 
     def _take(self, all_arrived: bool, version: int, advantage_of: Callable[[Trajectory], float]) -> list[BufferEntry]:
         cfg, buffer = self.config.trainer, self.buffer
-        if cfg.algorithm == "grpo":
-            entries = buffer.take_groups(self.batch_size // cfg.group_size, cfg.group_size, allow_fewer=all_arrived)
+        if cfg.algorithm.group_baseline:
+            copies = cfg.algorithm.copies_per_task
+            entries = buffer.take_groups(self.batch_size // copies, copies, allow_fewer=all_arrived)
             if entries or not all_arrived:
                 return entries
             # Everything arrived, yet no group is whole (a member was dead-lettered): train the rest.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sao.config import TrainerConfig
+from sao.config import GrpoAlgorithm, TrainerConfig
 from sao.schema import Memory, Step, Trajectory
 from sao.trainer.baselines import RewardBaseline
 from sao.trainer.batch import plan_batch, record_rewards, turn_returns
@@ -34,7 +34,7 @@ def trajectory(task_id: str, reward: float, copy: int = 0, version: int = 0, pro
 
 def test_grpo_uses_group_means():
     batch = [trajectory("a", 1.0, 0), trajectory("a", 0.0, 1), trajectory("b", 1.0, 0), trajectory("b", 1.0, 1)]
-    cfg = TrainerConfig(algorithm="grpo", group_size=2, batch_size=4, scale_advantages=False)
+    cfg = TrainerConfig(algorithm=GrpoAlgorithm(group_size=2), batch_size=4, scale_advantages=False)
     plan = plan_batch(batch, RewardBaseline(), cfg, policy_version=3)
     assert flat(plan.advantages) == pytest.approx([0.5, -0.5, 0.0, 0.0])
     assert plan.staleness == [3, 3, 3, 3]
@@ -66,7 +66,7 @@ def test_single_trajectory_gradient_is_zero_with_group_means_but_not_with_sao():
     baseline = RewardBaseline(key="env", momentum=0.9)
     baseline.update(*one_turn(trajectory("seen-before", 0.3)))
     assert _gradient(TrainerConfig(), baseline).abs().sum() > 0
-    grpo = TrainerConfig.model_construct(**{**TrainerConfig().model_dump(), "algorithm": "grpo", "group_size": 1})
+    grpo = TrainerConfig().model_copy(update={"algorithm": GrpoAlgorithm.model_construct(group_size=1)})
     assert _gradient(grpo, RewardBaseline()).abs().sum() == 0
 
 
@@ -126,7 +126,8 @@ def test_each_turn_has_its_own_running_baseline():
 def test_grpo_compares_each_turn_with_the_group_copies_that_reached_it():
     batch = [trajectory("a", 1.0, 0), retry("a", 0.5), retry("a", 0.0)]
     batch[1], batch[2] = replace(batch[1], trajectory_id="a#1"), replace(batch[2], trajectory_id="a#2")
-    cfg = TrainerConfig(algorithm="grpo", group_size=3, batch_size=3, scale_advantages=False, turn_credit="own_reward")
+    cfg = TrainerConfig(algorithm=GrpoAlgorithm(group_size=3), batch_size=3, scale_advantages=False,
+                        turn_credit="own_reward")
     advantages = plan_batch(batch, RewardBaseline(), cfg, 0).advantages
     assert advantages[0] == pytest.approx([1.0 - 1 / 3])
     assert advantages[1] == pytest.approx([-1 / 3, 0.25]) and advantages[2] == pytest.approx([-1 / 3, -0.25])
@@ -182,7 +183,8 @@ def _uneven_batch(memory_width: int) -> list[Trajectory]:
     return batch
 
 
-@pytest.mark.parametrize("knobs", [{}, {"importance_level": "sequence"}, {"value_head": True}, {"objective": "ppo"}])
+@pytest.mark.parametrize("knobs", [{}, {"importance_level": "sequence"}, {"value_head": True},
+                                   {"objective": {"type": "ppo"}}])
 def test_length_buckets_give_the_same_loss_and_gradient(tiny_config, knobs):
     import copy
 
@@ -276,7 +278,7 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     assert plan_batch(batch, baseline, cfg.model_copy(update={"retry_hindsight": False}), 0).hindsight == {}
     tight = cfg.model_copy(update={"micro_batch_tokens": taught.positions - 1})  # the row would overflow a pass
     assert plan_batch(batch, baseline, tight, 0).hindsight == {}
-    grpo = cfg.model_copy(update={"algorithm": "grpo", "group_size": 1})
+    grpo = cfg.model_copy(update={"algorithm": GrpoAlgorithm.model_construct(group_size=1)})
     assert plan_batch(batch, baseline, grpo, 0).hindsight == {}  # the comparison baseline stays plain GRPO
 
     # trainer.hindsight_reply = corrected: the first reply in its own words, its answer put right by the retry's.

@@ -39,7 +39,7 @@ def test_on_policy_loss_is_minus_advantage_weighted_logprob_sum():
 def test_tis_ratios_are_truncated_and_detached():
     logprobs = torch.tensor([[math.log(0.9), math.log(0.2)]], requires_grad=True)
     behaviour = torch.tensor([[math.log(0.3), math.log(0.4)]])  # rho = 3.0 and 0.5
-    loss, stats = _loss(logprobs, behaviour, torch.ones(1, 2, dtype=torch.bool), [1.0], tis_clip=2.0)
+    loss, stats = _loss(logprobs, behaviour, torch.ones(1, 2, dtype=torch.bool), [1.0], objective={"type": "tis", "clip": 2.0})
     assert loss.item() == pytest.approx(-(2.0 * math.log(0.9) + 0.5 * math.log(0.2)), rel=1e-6)
     assert stats.clip_fraction == pytest.approx(0.5)
     assert stats.ratio_mean == pytest.approx((3.0 + 0.5) / 2, rel=1e-6)
@@ -57,11 +57,11 @@ def test_sequence_level_tis_uses_one_ratio_per_trajectory():
     behaviour = torch.log(torch.tensor([[0.2, 0.5], [0.1, 1.0]]))
     mask = torch.tensor([[True, True], [True, False]])
     loss, stats = _loss(logprobs, behaviour, mask, [1.0, 1.0], rows_to_traj=[0, 0], n=1,
-                        importance_level="sequence", tis_clip=2.0)
+                        importance_level="sequence", objective={"type": "tis", "clip": 2.0})
     assert loss.item() == pytest.approx(-2.0 * math.log(0.3 * 0.4 * 0.2), rel=1e-5)
     assert stats.clip_fraction == 1.0
     loss, _ = _loss(logprobs, behaviour, mask, [1.0, 1.0], rows_to_traj=[0, 0], n=1,
-                    importance_level="sequence", tis_clip=5.0)
+                    importance_level="sequence", objective={"type": "tis", "clip": 5.0})
     assert loss.item() == pytest.approx(-2.4 * math.log(0.3 * 0.4 * 0.2), rel=1e-5)
 
 
@@ -76,9 +76,9 @@ def test_ppo_clips_against_behaviour_and_dual_clips_negative_advantages():
     # rho = 5 with A = -1: PPO's min picks -5; the dual clip bounds it at 3 * A = -3.
     logprobs = torch.tensor([[math.log(0.5)]], requires_grad=True)
     behaviour = torch.tensor([[math.log(0.1)]])
-    loss, _ = _loss(logprobs, behaviour, torch.ones(1, 1, dtype=torch.bool), [-1.0], objective="ppo", dual_clip=3.0)
+    loss, _ = _loss(logprobs, behaviour, torch.ones(1, 1, dtype=torch.bool), [-1.0], objective={"type": "ppo", "dual_clip": 3.0})
     assert loss.item() == pytest.approx(3.0)
-    loss, _ = _loss(logprobs, behaviour, torch.ones(1, 1, dtype=torch.bool), [-1.0], objective="ppo", dual_clip=None)
+    loss, _ = _loss(logprobs, behaviour, torch.ones(1, 1, dtype=torch.bool), [-1.0], objective={"type": "ppo", "dual_clip": None})
     assert loss.item() == pytest.approx(5.0, rel=1e-5)
     # rho = 0.9, A = +2: inside the band, surrogate = rho * A with gradient rho * A wrt log pi.
     logprobs = torch.tensor([[math.log(0.9)]], requires_grad=True)
@@ -90,8 +90,8 @@ def test_ppo_clips_against_behaviour_and_dual_clips_negative_advantages():
 def test_masked_drops_tokens_outside_the_band():
     logprobs = torch.log(torch.tensor([[0.9, 0.5, 0.05]])).requires_grad_()
     behaviour = torch.log(torch.tensor([[0.3, 0.5, 0.5]]))  # rho = 3.0 (out), 1.0 (in), 0.1 (out)
-    loss, stats = _loss(logprobs, behaviour, torch.ones(1, 3, dtype=torch.bool), [1.0], objective="masked",
-                        mask_low=0.5, mask_high=2.0)
+    loss, stats = _loss(logprobs, behaviour, torch.ones(1, 3, dtype=torch.bool), [1.0],
+                        objective={"type": "masked", "low": 0.5, "high": 2.0})
     assert loss.item() == pytest.approx(-math.log(0.5), rel=1e-6)
     assert stats.clip_fraction == pytest.approx(2 / 3)
     loss.backward()

