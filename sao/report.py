@@ -504,6 +504,51 @@ def _cpu_lines(summary: dict[str, Any]) -> list[str]:
             f"{_fmt(summary.get('sampling_to_training_steps_p95'))} versions.", ""]
 
 
+def trainer_phases(trainer: dict[str, Any], steps: list[StepRecord]) -> dict[str, float]:
+    """The trainer's wall seconds by phase, from its progress file; `other` is the rest of its life (imports
+    before start-up, intake, the ledger, progress files, the stop). The shadow scorer is a process of its own: only the trainer's
+    snapshots for it are here."""
+    shadow = trainer.get("shadow") if isinstance(trainer.get("shadow"), dict) else {}
+    startup = trainer.get("startup_s") if isinstance(trainer.get("startup_s"), dict) else {}
+    phases = {"start-up (model, engine, checkpoint, clients)": sum(startup.values()),
+              "waiting for a batch": sum(r.wait_s for r in steps),
+              "forward and backward": sum(r.forward_backward_s for r in steps),
+              "optimizer step": sum(r.optimizer_s for r in steps),
+              "publishing versions": sum(r.publish_s for r in steps),
+              "saving checkpoints": float(trainer.get("checkpoint_s") or 0.0),
+              "snapshots for the shadow scorer": float(shadow.get("snapshot_s") or 0.0)}
+    wall = trainer.get("wall_s")
+    if isinstance(wall, (int, float)):
+        phases["other"] = max(wall - sum(phases.values()), 0.0)
+    return phases
+
+
+def sampler_phases(samplers: dict[str, dict]) -> dict[str, float]:
+    """A sampler's wall seconds by phase (mean over samplers): with an episode live (generating, compressing,
+    stepping the env, producing), loading versions, idle with none live, and start-up before its loop."""
+    rows = [s for s in samplers.values() if all(isinstance(s.get(k), (int, float)) for k in ("run_s", "wall_s"))]
+    if not rows:
+        return {}
+    def part(sampler: dict, key: str) -> float:
+        return float(sampler.get(key) or 0.0)
+    return {"episodes live": mean([part(s, "run_s") - part(s, "idle_s") - part(s, "reload_s") for s in rows]),
+            "loading versions": mean([part(s, "reload_s") for s in rows]),
+            "idle, no episode live": mean([part(s, "idle_s") for s in rows]),
+            "start-up": mean([part(s, "wall_s") - part(s, "run_s") for s in rows])}
+
+
+def time_lines(trainer: dict[str, Any], samplers: dict[str, dict], steps: list[StepRecord]) -> list[str]:
+    """The 'Where the time went' section: the trainer's and a sampler's wall seconds by phase."""
+    lines = ["## Where the time went", "", "Wall seconds of each process by phase, from its progress file.", "",
+             "| process | phase | seconds | share |", "|---|---|---:|---:|"]
+    for process, phases in (("trainer", trainer_phases(trainer, steps)), ("sampler", sampler_phases(samplers))):
+        total = sum(phases.values())
+        lines += [f"| {process} | {name} | {_fmt(seconds)} | {_percent(_ratio(seconds, total))} |"
+                  for name, seconds in phases.items()]
+    scorer = trainer.get("shadow", {}).get("scorer_cpu_s") if isinstance(trainer.get("shadow"), dict) else None
+    return [*lines, "", f"The shadow scorer, a process of its own, used {_fmt(scorer)} CPU seconds.", ""]
+
+
 def _second_try_sentence(summary: dict[str, Any]) -> str:
     base, base_error, base_n, final, final_error, final_n, base_penalised, final_penalised = (
         summary.get(key) for key in SECOND_TRY_KEYS)
@@ -581,6 +626,7 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
         + (f", busy {_fmt(mean([r.busy_fraction for r in steps]))} of the time." if steps else "."),
         "",
         *_cpu_lines(summary),
+        *time_lines(trainer, samplers, steps),
         "## Staleness",
         "",
         "![staleness](plots/staleness.png)",

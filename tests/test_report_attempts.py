@@ -6,7 +6,7 @@ from dataclasses import asdict
 import pytest
 
 from sao.config import SaoConfig
-from sao.report import attempts_by_version, build_summary, write_report
+from sao.report import attempts_by_version, build_summary, sampler_phases, time_lines, trainer_phases, write_report
 from sao.status import attempt_success, trainer_steps, write_status
 from support.records import step_record
 
@@ -67,3 +67,18 @@ def test_a_run_without_heldout_evaluation_says_nothing_of_second_tries(tmp_path)
     assert summary["heldout_second_try_base"] is None and summary["attempts_by_version"] == []
     assert "second attempt was right" not in write_report(tmp_path, summary).read_text()
     assert "The env penalised" not in write_report(tmp_path, summary).read_text()
+
+
+def test_the_time_table_splits_each_process_s_wall_time_and_the_rest_is_other(tmp_path):
+    records = [step_record(step=1, wait_s=2.0, forward_backward_s=5.0, optimizer_s=1.0, publish_s=0.5),
+               step_record(step=2, wait_s=0.5, forward_backward_s=6.0, optimizer_s=1.0, publish_s=0.5)]
+    trainer = {"startup_s": {"model": 1.0, "engine": 3.0}, "checkpoint_s": 4.0, "wall_s": 30.0,
+               "shadow": {"snapshot_s": 1.5, "scorer_cpu_s": 9.0}}
+    phases = trainer_phases(trainer, records)
+    assert phases["waiting for a batch"] == 2.5 and phases["forward and backward"] == 11.0
+    assert phases["other"] == pytest.approx(30.0 - (4.0 + 2.5 + 11.0 + 2.0 + 1.0 + 4.0 + 1.5))
+    sampler = sampler_phases({"sampler-0": {"run_s": 20.0, "idle_s": 5.0, "reload_s": 2.0, "wall_s": 24.0},
+                              "sampler-1": {"run_s": 20.0, "idle_s": 7.0, "reload_s": 2.0, "wall_s": 22.0}})
+    assert sampler == {"episodes live": 12.0, "loading versions": 2.0, "idle, no episode live": 6.0, "start-up": 3.0}
+    text = "\n".join(time_lines(trainer, {}, records))
+    assert "| trainer | forward and backward | 11 | 37% |" in text and "used 9 CPU seconds" in text

@@ -88,6 +88,7 @@ class Trainer:
         self.publisher = self._policy_publisher()
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
+        self.checkpoint_s = 0.0  # seconds spent saving checkpoints
         self.step_learning_rate = config.trainer.optimizer_learning_rate  # the rate the latest step used
         self.run_started: float | None = None  # perf_counter at the start of `run`
         self.skipped_steps: dict[str, int] = {}  # this life's steps not applied, by reason
@@ -327,6 +328,7 @@ class Trainer:
         self.state.rng = rng_state(self.buffer.rng)
         started = time.perf_counter()
         save_checkpoint(self.engine, self.run_dir.checkpoints, self.state)
+        self.checkpoint_s += time.perf_counter() - started
         metrics.record_checkpoint(time.perf_counter() - started)
         return self.state.step
 
@@ -336,7 +338,7 @@ class Trainer:
                 "shadow": self.shadow.status(), **self.role.status(),
                 "rank": rank(), "world_size": world_size(),
                 "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
-                **process_usage(), "idle_s": self.idle_s,
+                **process_usage(), "idle_s": self.idle_s, "checkpoint_s": self.checkpoint_s,
                 "run_s": time.perf_counter() - self.run_started if self.run_started is not None else 0.0,
                 "steps": [asdict(record) for record in self.steps]}
 
