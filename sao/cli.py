@@ -223,7 +223,7 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     from sao.run_dir import RunDir
 
     status = RunDir(run_dir).status(sampler_id) if run_dir else None
-    if cfg.policy.transport == "kafka":  # weights come from the broker; only the key comes from disk
+    if cfg.policy.transport.type == "kafka":  # weights come from the broker; only the key comes from disk
         from sao.transport.announcements import ANNOUNCE_KEY_NAME
 
         if cfg.sampler.announce_key_file is None and run_dir:  # the trainer's, on the machine it runs on

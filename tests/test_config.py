@@ -190,3 +190,15 @@ def test_algorithm_and_objective_are_tables_of_their_own_knobs_and_the_flat_knob
     assert old.algorithm.group_size == 4 and old.objective.clip == 0.3
     assert "trainer.group_size is now trainer.algorithm.group_size" in caplog.text
     assert "trainer.ppo_clip is now trainer.objective.clip" in caplog.text
+
+
+def test_the_weights_transport_is_a_tagged_table_too():
+    assert load_config(environ={}).policy.transport.type == "folder"
+    kafka = load_config(overrides=['policy.transport="kafka"', "policy.transport.chunk_bytes=1048576"], environ={})
+    assert kafka.policy.transport.chunk_bytes == 1 << 20
+    kafka.policy.transport = "folder"  # the short form on assignment too
+    assert kafka.policy.transport.type == "folder"
+    with pytest.raises(ConfigError, match=r"policy\.transport\.chunk_bytes.*belongs to type 'kafka'"):
+        load_config(overrides=["policy.transport.chunk_bytes=1048576"], environ={})
+    old = load_config(overrides=['policy.transport="kafka"', "policy.chunk_bytes=1048576"], environ={})
+    assert old.policy.transport.chunk_bytes == 1 << 20

@@ -14,7 +14,7 @@ def test_sao_run_with_weights_through_kafka_trains_every_task_and_samplers_load_
     tasks = 12
     command = [sys.executable, "-m", "sao.cli", "run", "--model", "tiny", "--num-tasks", str(tasks),
                "--samplers", "1", "--run-dir", str(run_dir),
-               "--set", "policy.transport=\"kafka\"", "--set", "policy.chunk_bytes=1048576",
+               "--set", "policy.transport=\"kafka\"", "--set", "policy.transport.chunk_bytes=1048576",
                "--set", "trainer.publish_dtype=\"bf16\"", "--set", "trainer.publish_deltas=true",
                "--set", "trainer.snapshot_every=2",
                # The tiny model's random weights are small: a smaller step keeps v2 a sparse delta, not a

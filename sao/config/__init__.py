@@ -19,7 +19,6 @@ import tomllib
 from pydantic import BaseModel, ValidationError, model_validator
 
 from sao.config.algorithms import (
-    TAGGED_TABLES,
     GrpoAlgorithm,
     MaskedObjective,
     PpoObjective,
@@ -27,19 +26,20 @@ from sao.config.algorithms import (
     TisObjective,
 )
 from sao.config.env import DATASET_DEFAULT_OPTIONS, DEFAULT_DATASET, EnvConfig, SandboxConfig
-from sao.config.policy import MAX_RECALL_TURNS, CompressionConfig, PolicyConfig
+from sao.config.policy import MAX_RECALL_TURNS, CompressionConfig, FolderTransport, KafkaTransport, PolicyConfig
 from sao.config.run import MetricsConfig, RunConfig
 from sao.config.sampler import SamplerConfig
-from sao.config.section import Section, available_cpu_ids, machine_cpu_ids, refuse_old_names
+from sao.config.section import TAGGED_TABLES, Section, available_cpu_ids, machine_cpu_ids, refuse_old_names
 from sao.config.trainer import LORA_ALL_LINEAR, LoraConfig, TrainerConfig
 from sao.config.transport import BrokerConfig, TopicsConfig
 
 __all__ = ["DATASET_DEFAULT_OPTIONS", "DEFAULT_DATASET", "LORA_ALL_LINEAR", "MAX_RECALL_TURNS",
-           "BrokerConfig", "CompressionConfig", "ConfigError", "EnvConfig", "GrpoAlgorithm", "LoraConfig",
-           "MaskedObjective", "MetricsConfig", "PolicyConfig", "PpoObjective", "RunConfig", "SamplerConfig",
-           "SandboxConfig", "SaoAlgorithm", "SaoConfig", "Section", "TisObjective", "TopicsConfig",
-           "TrainerConfig", "available_cpu_ids", "load_config", "machine_cpu_ids", "refuse_old_names",
-           "to_described_toml", "to_toml", "validate_config"]
+           "BrokerConfig", "CompressionConfig", "ConfigError", "EnvConfig", "FolderTransport",
+           "GrpoAlgorithm", "KafkaTransport", "LoraConfig", "MaskedObjective", "MetricsConfig",
+           "PolicyConfig", "PpoObjective", "RunConfig", "SamplerConfig", "SandboxConfig", "SaoAlgorithm",
+           "SaoConfig", "Section", "TisObjective", "TopicsConfig", "TrainerConfig", "available_cpu_ids",
+           "load_config", "machine_cpu_ids", "refuse_old_names", "to_described_toml", "to_toml",
+           "validate_config"]
 
 
 class SaoConfig(Section):

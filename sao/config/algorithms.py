@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from sao.config.section import Section
-
-log = logging.getLogger(__name__)
+from sao.config.section import Section, tagged_table
 
 
 class SaoAlgorithm(Section):
@@ -65,33 +62,10 @@ class MaskedObjective(Section):
     high: float = Field(2.0, gt=1, description="Tokens with rho above this are dropped.")
 
 
-TAGGED_TABLES = ("algorithm", "objective")
-Algorithm = Annotated[SaoAlgorithm | GrpoAlgorithm, Field(discriminator="type")]
-Objective = Annotated[TisObjective | PpoObjective | MaskedObjective, Field(discriminator="type")]
-# Flat knobs of earlier releases: still read, with a warning naming where each now lives.
-_MOVED_KNOBS = {"group_size": ("algorithm", "group_size", "grpo"), "tis_clip": ("objective", "clip", "tis"),
+Algorithm = Annotated[SaoAlgorithm | GrpoAlgorithm, Field(discriminator="type"), tagged_table("sao")]
+Objective = Annotated[TisObjective | PpoObjective | MaskedObjective, Field(discriminator="type"), tagged_table("tis")]
+# Flat trainer knobs of earlier releases: still read (section.move_flat_knobs), with a warning naming where.
+MOVED_KNOBS = {"group_size": ("algorithm", "group_size", "grpo"), "tis_clip": ("objective", "clip", "tis"),
                 "ppo_clip": ("objective", "clip", "ppo"), "ppo_clip_high": ("objective", "clip_high", "ppo"),
                 "dual_clip": ("objective", "dual_clip", "ppo"), "mask_low": ("objective", "low", "masked"),
                 "mask_high": ("objective", "high", "masked")}
-
-
-def tagged_tables(data: Any) -> Any:
-    """trainer's raw data with `algorithm`/`objective` as tables: a bare name is its type, a table without one is
-    the default's, and the moved flat knobs go into the table of their type (ignored, with the warning, when
-    another type is chosen)."""
-    if not isinstance(data, dict):
-        return data
-    data = dict(data)
-    for name, default in (("algorithm", "sao"), ("objective", "tis")):
-        value = data.get(name, {})
-        data[name] = {"type": value} if isinstance(value, str) else ({"type": default} | value
-                                                                      if isinstance(value, dict) else value)
-    for old, (table, knob, kind) in _MOVED_KNOBS.items():
-        if old not in data:
-            continue
-        value = data.pop(old)
-        log.warning("config: trainer.%s is now trainer.%s.%s (with trainer.%s.type = %r)", old, table, knob, table,
-                    kind)
-        if isinstance(data[table], dict) and data[table].get("type") == kind:
-            data[table].setdefault(knob, value)
-    return data

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from sao.config.section import Section
+from sao.config.section import Section, move_flat_knobs, tagged_table
+
+
+class FolderTransport(Section):
+    type: Literal["folder"] = Field(
+        "folder", description="folder: samplers read the trainer's policy folder (local disk, or a shared mount: "
+                              "sampler.policy_dir).")
+
+
+class KafkaTransport(Section):
+    type: Literal["kafka"] = Field(
+        "kafka", description="kafka: each file travels in chunks on topics.weights before its announcement, so a "
+                             "sampler needs only the broker and the announcement key (sampler.announce_key_file).")
+    chunk_bytes: int = Field(
+        4 << 20, ge=64 << 10, le=32 << 20,
+        description="Bytes of a file per chunk message, well under the broker's message limit (MAX_MESSAGE_BYTES in "
+                    "sao/transport/kafka.py).")
+
+
+Transport = Annotated[FolderTransport | KafkaTransport, Field(discriminator="type"), tagged_table("folder")]
 
 
 class PolicyConfig(Section):
@@ -38,16 +57,16 @@ class PolicyConfig(Section):
                     "(`sao compression align`) if any, else zero; `zero` = zero init (memory adds nothing until "
                     "trained); or a projector .safetensors path, refused unless its sidecar names this model and encoder.")
     cache_dir: str = Field("~/.cache/sao/models", description="Where converted models are cached.")
-    transport: Literal["folder", "kafka"] = Field(
-        "folder", description="How published weights reach the samplers. folder: the trainer's policy folder "
-                              "(local disk, or a shared mount: sampler.policy_dir). kafka: each file travels in "
-                              "chunks on topics.weights before its announcement, so a sampler needs only the broker "
-                              "and the announcement key (sampler.announce_key_file). The trainer writes its own "
-                              "files either way (sao eval, shadow scoring, checkpoints use them).")
-    chunk_bytes: int = Field(
-        4 << 20, ge=64 << 10, le=32 << 20,
-        description="policy.transport = kafka: bytes of a file per chunk message, well under the broker's message "
-                    "limit (64 MiB, MAX_MESSAGE_BYTES in sao/transport/kafka.py).")
+    transport: Transport = Field(
+        default_factory=FolderTransport,
+        description="How published weights reach the samplers: folder or kafka, with that transport's own knobs. "
+                    "The trainer writes its own files either way (sao eval, shadow scoring, checkpoints use them).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_knobs(cls, data: Any) -> Any:
+        return move_flat_knobs(data, "policy", {"chunk_bytes": ("transport", "chunk_bytes", "kafka")},
+                               {"transport": "folder"})
 
 
 # Earlier turns one step may recall as text: bounds compression.recall_turns, and readers check a trajectory

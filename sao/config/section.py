@@ -2,15 +2,50 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+log = logging.getLogger(__name__)
+# Tables tagged by `type` (pydantic discriminated unions): the knob names whose value is one.
+TAGGED_TABLES = ("algorithm", "objective", "transport")
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def move_flat_knobs(data: Any, section: str, moved: dict[str, tuple[str, str, str]],
+                    defaults: dict[str, str]) -> Any:
+    """A section's raw data with the flat knobs of earlier releases (`moved`: old name -> table, knob, the type
+    it belongs to) moved into that table, each with a warning naming its new place; dropped when the table
+    holds another type (`defaults`: each table's type when unset)."""
+    if not isinstance(data, dict) or not set(data) & set(moved):
+        return data
+    data = dict(data)
+    for old, (table, knob, kind) in moved.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        log.warning("config: %s.%s is now %s.%s.%s (with %s.%s.type = %r)", section, old, section, table, knob,
+                    section, table, kind)
+        chosen = data.get(table, defaults[table])
+        if chosen == kind or (isinstance(chosen, dict) and chosen.get("type") == kind):
+            data[table] = {"type": kind, **(chosen if isinstance(chosen, dict) else {}), knob: value}
+    return data
+
+
+def tagged_table(default: str) -> BeforeValidator:
+    """Reads a table tagged by `type`: a bare name stands for `{type = name}`, a table without a type is the
+    default type's (so a knob of another type is refused naming the type it belongs to)."""
+    def read(value: Any) -> Any:
+        if isinstance(value, str):
+            return {"type": value}
+        return {"type": default, **value} if isinstance(value, dict) and "type" not in value else value
+    return BeforeValidator(read)
 
 
 def machine_cpu_ids() -> list[int]:

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from sao.config.algorithms import Algorithm, Objective, SaoAlgorithm, TisObjective, tagged_tables
-from sao.config.section import Section, available_cpu_ids, refuse_old_names
+from sao.config.algorithms import MOVED_KNOBS, Algorithm, Objective, SaoAlgorithm, TisObjective
+from sao.config.section import Section, available_cpu_ids, move_flat_knobs, refuse_old_names
 
 LORA_ALL_LINEAR = "all-linear"
 
@@ -214,7 +214,8 @@ class TrainerConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _no_retired_knobs(cls, data: Any) -> Any:
-        return refuse_old_names(tagged_tables(data), "trainer", {
+        moved = move_flat_knobs(data, "trainer", MOVED_KNOBS, {"algorithm": "sao", "objective": "tis"})
+        return refuse_old_names(moved, "trainer", {
             "eval_every": "is retired: shadow validation replaces it (trainer.shadow_every)",
             "eval_tasks": "is retired: shadow validation replaces it (trainer.shadow_tasks)",
             "whiten_advantages": "is now trainer.scale_advantages (it scales; trainer.center_advantages centres)"})

@@ -89,7 +89,7 @@ class KafkaSource:
 
 def weight_source(config: SaoConfig, bootstrap: str) -> FolderSource | KafkaSource:
     """The source `policy.transport` names."""
-    if config.policy.transport == "kafka":
+    if config.policy.transport.type == "kafka":
         return KafkaSource(bootstrap, config.topics.weights, config.sampler.weights_fetch_timeout_s,
                            config.broker.fetch_wait_ms)
     return FolderSource(Path(config.sampler.policy_dir) if config.sampler.policy_dir else None)

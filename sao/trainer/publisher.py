@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from sao import metrics
-from sao.config import SaoConfig
+from sao.config import KafkaTransport, SaoConfig
 from sao.policy.chain import chain_versions
 from sao.policy.deltas import (
     DELTA_MAX_SNAPSHOT_SHARE,
@@ -84,8 +84,8 @@ class PolicyPublisher:
         """The trainer's publisher as `trainer.*` and `policy.transport` say (`producer` None off rank 0)."""
         cfg = config.trainer
         weights = None
-        if config.policy.transport == "kafka" and producer is not None:
-            weights = WeightsSender(producer, bootstrap, config.topics.weights, config.policy.chunk_bytes,
+        if isinstance(transport := config.policy.transport, KafkaTransport) and producer is not None:
+            weights = WeightsSender(producer, bootstrap, config.topics.weights, transport.chunk_bytes,
                                     chain_length=cfg.snapshot_every if cfg.publish_deltas else 1)
         publisher = cls(producer, config.topics.policy, run_dir, cfg.keep_versions, cfg.publish_dtype,
                         cfg.publish_deltas, cfg.snapshot_every, weights, lora=cfg.lora.rank > 0)
