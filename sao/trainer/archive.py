@@ -211,8 +211,15 @@ class TrajectoryLog:
         return self.events[0]
 
     def world_size(self) -> int:
-        """How many ranks the run trained on (the most any of its trainer's lives had)."""
-        return max(event["world_size"] for event in self.events if event["kind"] == "life")
+        """How many ranks the run trained on (the most any of its trainer's lives had): as many processes as replay
+        starts, so a count that is not a whole number from 1 to this machine's CPUs is refused."""
+        counts = [event.get("world_size") for event in self.events if event["kind"] == "life"]
+        ranks = max(counts) if all(type(count) is int for count in counts) else None
+        cpus = len(os.sched_getaffinity(0))
+        if ranks is None or not 1 <= ranks <= cpus:
+            raise ArchiveError(f"the log's trainer world_size {ranks!r} is not a rank count this machine can replay "
+                               f"(1 to its {cpus} CPUs, one process each)")
+        return ranks
 
 
 def _cpu_model() -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from sao.run_dir import RunDir
 from sao.schema import Trajectory, decode, encode
-from sao.trainer.archive import MAGIC, TrajectoryArchive, read_records
+from sao.trainer.archive import MAGIC, ArchiveError, TrajectoryArchive, read_records
 from sao.trainer.replay import CannotReplay, Replay
 from support.fault_runs import fault_seed
 from support.shadow_env import shadow_on
@@ -161,10 +161,11 @@ def test_replay_follows_a_rollback_where_the_log_puts_it(kafka_bootstrap, unique
     assert f"{len(hashes)} of {len(hashes)} versions match" in result.stderr
 
 
-@pytest.mark.parametrize(("step", "ranks", "refusal"), [(3, 1, "starts at step 3"), (0, 2, "trained on 2 ranks")])
+@pytest.mark.parametrize(("step", "ranks", "refusal"), [(3, 1, "starts at step 3"), (0, 2, "trained on 2 ranks"),
+                                                    (0, 10**6, "not a rank count"), (0, "2", "not a rank count")])
 def test_a_log_replay_cannot_rebuild_from_is_refused_before_any_model_loads(tmp_path, step, ranks, refusal):
     archive = TrajectoryArchive(RunDir(tmp_path).trajectory_log)
     archive.life(step, 0, step > 0, ranks, "")
     archive.close()
-    with pytest.raises(CannotReplay, match=refusal):
+    with pytest.raises((CannotReplay, ArchiveError), match=refusal):
         Replay(tmp_path)
