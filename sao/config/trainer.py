@@ -51,10 +51,8 @@ class TrainerConfig(Section):
         0.0, ge=0, description="Replay priority (freshness_decay**staleness * |advantage|)**exponent; 0 = oldest first.")
     learning_rate: float = Field(1.5e-5, gt=0, description="AdamW learning rate.")
     warmup_steps: int = Field(
-        0, ge=0, description="Raise the learning rate linearly over the first this many optimizer steps (step k of "
-                             "them uses learning_rate * k / warmup_steps). Adam's first updates move every weight by "
-                             "about the learning rate whatever the gradient's noise, since its moment estimates hold "
-                             "one gradient; a warm-up lets them fill first. 0 = the full rate from the first step.")
+        0, ge=0, description="Raise the learning rate linearly over the first this many optimizer steps, so Adam's "
+                             "moment estimates fill before full-size updates; 0 = the full rate from the first step.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global L2 gradient norm to this.")
     objective: Objective = Field(
@@ -63,21 +61,16 @@ class TrainerConfig(Section):
     importance_level: Literal["token", "sequence"] = Field(
         "token", description="tis/masked: one rho per token, or one per trajectory (product over its tokens).")
     baseline_key: Literal["env", "task_id", "prompt", "leave_one_out"] = Field(
-        "prompt", description="What a sao advantage subtracts from the reward (default prompt: it learned most over seeds, "
-                           "benchmarks/README.md). env: a running mean per env (one value per "
-                           "batch, so with center_advantages it changes nothing). task_id: per task id, else env (built-in "
-                           "envs never repeat an id). prompt: per prompt token ids (a recurring question has its own "
-                           "history), else env. leave_one_out: the mean reward of the batch's other trajectories "
-                           "(equal to no baseline when centred). Costs: docs/design.md.")
+        "prompt", description="What a sao advantage subtracts from a turn's return: a running mean per prompt (else "
+                              "per env), per env, per task id (else env), or the mean of the batch's other "
+                              "trajectories. Trade-offs: docs/design.md.")
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running-mean baselines; a key's first 1/(1-momentum) "
                                      "rewards are averaged plainly, so one early reward does not dominate.")
     turn_credit: Literal["auto", "reward_to_go", "own_reward"] = Field(
-        "auto", description="What a turn's tokens are credited with. reward_to_go: the rewards from that turn to the "
-                            "episode's end (a move earns what it led to). own_reward: that turn's reward only, so a "
-                            "wrong first answer does not share in the retry's reward. auto: own_reward for envs whose "
-                            "turns are attempts at one question (arithmetic, humaneval), else reward_to_go. Each turn "
-                            "has its own baseline. Measured: benchmarks/README.md.")
+        "auto", description="What a turn's tokens are credited with: reward_to_go (the rewards to the episode's end),"
+                            " own_reward (its own, so a wrong first answer does not share its retry's), auto "
+                            "(own_reward in retry envs).")
     retry_hindsight: bool = Field(
         True, description="sao with own_reward credit: a retry that earned more than the first try is also trained as "
                           "the first try's answer, with the retry's advantage: the env's feedback teaches the question.")
@@ -128,29 +121,21 @@ class TrainerConfig(Section):
         3, ge=1, description="Published versions kept on disk (shadow models for sao eval), with the files their "
                              "deltas rest on: the snapshot before each kept version and the deltas between.")
     publish_dtype: Literal["fp32", "bf16"] = Field(
-        "bf16", description="The dtype of published weights. bf16 halves a whole file, and between two versions far "
-                            "fewer bf16 values change than fp32 ones, which is what publish_deltas sends. A GPU "
-                            "sampler computes in bf16 anyway; a CPU sampler computes in fp32 with the bf16-rounded "
-                            "weights, a behaviour/target mismatch the importance ratio corrects (trainer.* keeps fp32 "
-                            "master weights). fp32 publishes the trainer's weights exactly.")
+        "bf16", description="Dtype of published weights: bf16 halves a file and changes fewer values between versions"
+                            " (smaller deltas), and the importance ratio corrects a CPU sampler's rounding; fp32 "
+                            "publishes exactly.")
     publish_deltas: bool = Field(
-        True, description="Publish each version as a sparse delta on the one before (the positions whose bits "
-                          "changed, and their new values) instead of whole, unless the delta would be over half a "
-                          "whole file; a sampler applies it in place once the sha256 of what it holds matches the "
-                          "delta's base, else re-syncs from the newest snapshot. See docs/design.md, 'Where "
-                          "weights travel'.")
+        True, description="Publish each version as a sparse delta on the one before (unless over half a whole file); "
+                          "a sampler holding another base re-syncs from the newest snapshot (docs/design.md).")
     snapshot_every: int = Field(
         10, ge=1, le=100, description="With publish_deltas: publish a whole snapshot every this many versions (and the "
                                       "first version a trainer publishes), so a sampler that joins or loses the chain "
                                       "re-syncs from at most this many files (a sampler remembers the last 256 "
                                       "announcements it read, so a chain fits in them).")
     shadow_every: int = Field(
-        2, ge=0, description="Shadow validation: score a published version at most every this many versions, greedily "
-                             "(first try only in retry envs; whole episodes where the env scores success over them, "
-                             "e.g. recall: costlier), on a fixed validation slice of the env's held-out split (disjoint "
-                             "from the tasks the run's final comparison is scored on), in a background process that "
-                             "training never waits for; a version is skipped while the scorer is busy. The best scored "
-                             "version is kept (RUN_DIR/policy/best). 0 = off.")
+        2, ge=0, description="Score a published version at most every this many versions on a fixed validation slice,"
+                             " greedily, in a background process training never waits for; the best is kept as "
+                             "RUN_DIR/policy/best. 0 = off.")
     shadow_tasks: int = Field(
         48, ge=1, description="Distinct validation tasks each shadow score uses at most: the held-out tasks that "
                               "follow the run.heldout_cap the final comparison uses. An eval split too small for "
@@ -166,15 +151,12 @@ class TrainerConfig(Section):
                           "for the same update (measured: benchmarks/README.md).")
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Positions (rows x the longest row, padding included) one forward and backward pass "
-                                 "computes at most: a step's rows are packed into as many passes as this needs, so it "
-                                 "bounds the trainer's peak memory whatever the batch holds. A row longer than this "
-                                 "(a whole trajectory with importance_level = 'sequence') is dead-lettered (too-large).")
+                                 "computes at most: it bounds the trainer's peak memory. A longer row is "
+                                 "dead-lettered (too-large).")
     length_buckets: int = Field(
-        2, ge=1, description="At most this many forward passes per micro-batch: rows are sorted by length and "
-                             "split where that cuts the right-padding most (same loss and gradient, fewer positions "
-                             "computed); 1 = one padded pass. A split that saves too few positions "
-                             "(MIN_SPLIT_SAVING in sao/trainer/batch.py) is not made. "
-                             "With more than one rank it is 1: every rank must make the same ZeRO-3 forward passes.")
+        2, ge=1, description="At most this many forward passes per micro-batch: rows sorted by length and split where"
+                             " that cuts the padding most (same loss); 1 = one padded pass. With several ranks it is "
+                             "1.")
     torch_threads: int | Literal["auto"] = Field(
         "auto", description="torch threads of the trainer process; auto = the CPUs in the process's affinity mask "
                             "(after trainer.cpu_affinity is applied) shared among the ranks on this machine, so the "
@@ -183,10 +165,9 @@ class TrainerConfig(Section):
         None, description="CPU ids the trainer process is pinned to (os.sched_setaffinity at start, before torch sets "
                           "its threads); unset = wherever the OS schedules it. See sampler.cpu_affinity.")
     offload_optimizer: bool = Field(
-        False, description="ZeRO-3 optimizer offload: keep the fp32 master weights and AdamW state in CPU memory and run "
-                           "the optimizer step there (DeepSpeed offload_optimizer device cpu). Frees accelerator "
-                           "memory for a slower step; on a CPU-only machine it only moves that work to DeepSpeed's "
-                           "offload path. See benchmarks/zero3_memory.py.")
+        False, description="ZeRO-3 optimizer offload: fp32 master weights and AdamW state in CPU memory, the "
+                           "optimizer step run there; it frees accelerator memory for a slower step "
+                           "(benchmarks/zero3_memory.py).")
     deepspeed_config: str | None = Field(
         None, description="A DeepSpeed JSON config file, merged over sao's derived config (ZeRO-3, clipping, batch).")
     deepspeed: dict[str, Any] = Field(

@@ -21,11 +21,8 @@ class BrokerConfig(Section):
                                 "(a restarted in-memory one) stops them at once. See docs/reliability.md.")
     fetch_wait_ms: int = Field(
         20, ge=1, le=10_000,
-        description="How long the pipeline's consumers (trainer, samplers, weights and announcement readers) let the "
-                    "broker hold a fetch that has nothing new. Tansu answers a waiting fetch only when this expires, "
-                    "so it is the latency floor. Its s3 engine lists the bucket within each fetch and returns "
-                    "nothing when the listing outlasts the wait: raise it to 100 or more there "
-                    "(`sao broker start --storage s3`), or consumers can starve. See docs/reliability.md.")
+        description="How long the broker may hold a consumer's fetch that has nothing new: the pipeline's latency "
+                    "floor with Tansu. Raise it to 100 or more with `--storage s3` (docs/reliability.md).")
 
 
 class TopicsConfig(Section):
