@@ -54,15 +54,25 @@ def main(setup_path: str) -> None:
         (out / "checkpoints.json").write_text(json.dumps(checkpoints, indent=1))
 
     class Budget(TrainerCallback):
-        """Saves at each scheduled wall time, and at the budget saves once more and stops."""
+        """Saves the weights each scheduled wall time sees, and at the budget saves once more and stops.
+
+        A point's checkpoint is saved at the last step end before it (when the next step, as long as this
+        one, would end past it), so it is on record by the point, as sao's last version published before it is.
+        """
+
+        last_end = 0.0
+
+        def on_train_begin(self, args, state, control, **_):
+            self.last_end = time.time() - launched
 
         def on_step_end(self, args, state, control, model=None, **_):
             elapsed = time.time() - launched
+            step_s, self.last_end = elapsed - self.last_end, elapsed
             if elapsed >= budget_s:
                 save(model, state.global_step)
                 control.should_training_stop = True
-            elif save_at and elapsed >= save_at[0]:
-                while save_at and elapsed >= save_at[0]:
+            elif save_at and elapsed + step_s > save_at[0]:
+                while save_at and elapsed + step_s > save_at[0]:
                     save_at.pop(0)
                 save(model, state.global_step)
             return control
