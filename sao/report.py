@@ -508,7 +508,6 @@ def trainer_phases(trainer: dict[str, Any], steps: list[StepRecord]) -> dict[str
     """The trainer's wall seconds by phase, from its progress file; `other` is the rest of its life (imports
     before start-up, intake, the ledger, progress files, the stop). The shadow scorer is a process of its own: only the trainer's
     snapshots for it are here."""
-    shadow = trainer.get("shadow") if isinstance(trainer.get("shadow"), dict) else {}
     startup = trainer.get("startup_s") if isinstance(trainer.get("startup_s"), dict) else {}
     phases = {"start-up (model, engine, checkpoint, clients)": sum(startup.values()),
               "waiting for a batch": sum(r.wait_s for r in steps),
@@ -516,7 +515,7 @@ def trainer_phases(trainer: dict[str, Any], steps: list[StepRecord]) -> dict[str
               "optimizer step": sum(r.optimizer_s for r in steps),
               "publishing versions": sum(r.publish_s for r in steps),
               "saving checkpoints": float(trainer.get("checkpoint_s") or 0.0),
-              "snapshots for the shadow scorer": float(shadow.get("snapshot_s") or 0.0)}
+              "snapshots for the shadow scorer": float(shadow_figures(trainer)["shadow_snapshot_s"] or 0.0)}
     wall = trainer.get("wall_s")
     if isinstance(wall, (int, float)):
         phases["other"] = max(wall - sum(phases.values()), 0.0)
@@ -545,7 +544,7 @@ def time_lines(trainer: dict[str, Any], samplers: dict[str, dict], steps: list[S
         total = sum(phases.values())
         lines += [f"| {process} | {name} | {_fmt(seconds)} | {_percent(_ratio(seconds, total))} |"
                   for name, seconds in phases.items()]
-    scorer = trainer.get("shadow", {}).get("scorer_cpu_s") if isinstance(trainer.get("shadow"), dict) else None
+    scorer = shadow_figures(trainer)["shadow_scorer_cpu_s"]
     return [*lines, "", f"The shadow scorer, a process of its own, used {_fmt(scorer)} CPU seconds.", ""]
 
 

@@ -328,8 +328,9 @@ class Trainer:
         self.state.rng = rng_state(self.buffer.rng)
         started = time.perf_counter()
         save_checkpoint(self.engine, self.run_dir.checkpoints, self.state)
-        self.checkpoint_s += time.perf_counter() - started
-        metrics.record_checkpoint(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.checkpoint_s += seconds
+        metrics.record_checkpoint(seconds)
         return self.state.step
 
     def status(self, finished: bool = False) -> dict:
