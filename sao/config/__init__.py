@@ -92,12 +92,12 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for key in keys[:-1]:
-        if isinstance(node.get(key), str):
+        if key in TAGGED_TABLES and isinstance(node.get(key), str):
             node[key] = {"type": node[key]}
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError(f"{dotted}: {key} is not a section")
-    if isinstance(value, str) and isinstance(node.get(keys[-1]), dict):
+    if keys[-1] in TAGGED_TABLES and isinstance(value, str) and isinstance(node.get(keys[-1]), dict):
         node[keys[-1]]["type"] = value
     else:
         node[keys[-1]] = value

@@ -65,8 +65,7 @@ class PolicyConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_knobs(cls, data: Any) -> Any:
-        return move_flat_knobs(data, "policy", {"chunk_bytes": ("transport", "chunk_bytes", "kafka")},
-                               {"transport": "folder"})
+        return move_flat_knobs(data, "policy", {"chunk_bytes": ("transport", "chunk_bytes", "kafka")}, cls)
 
 
 # Earlier turns one step may recall as text: bounds compression.recall_turns, and readers check a trajectory

@@ -18,11 +18,10 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def move_flat_knobs(data: Any, section: str, moved: dict[str, tuple[str, str, str]],
-                    defaults: dict[str, str]) -> Any:
-    """A section's raw data with the flat knobs of earlier releases (`moved`: old name -> table, knob, the type
+def move_flat_knobs(data: Any, section: str, moved: dict[str, tuple[str, str, str]], model: type[BaseModel]) -> Any:
+    """`model`'s raw data with the flat knobs of earlier releases (`moved`: old name -> table, knob, the type
     it belongs to) moved into that table, each with a warning naming its new place; dropped when the table
-    holds another type (`defaults`: each table's type when unset)."""
+    holds another type (unset, the table's default)."""
     if not isinstance(data, dict) or not set(data) & set(moved):
         return data
     data = dict(data)
@@ -32,7 +31,7 @@ def move_flat_knobs(data: Any, section: str, moved: dict[str, tuple[str, str, st
         value = data.pop(old)
         log.warning("config: %s.%s is now %s.%s.%s (with %s.%s.type = %r)", section, old, section, table, knob,
                     section, table, kind)
-        chosen = data.get(table, defaults[table])
+        chosen = data.get(table, model.model_fields[table].get_default(call_default_factory=True).type)
         if chosen == kind or (isinstance(chosen, dict) and chosen.get("type") == kind):
             data[table] = {"type": kind, **(chosen if isinstance(chosen, dict) else {}), knob: value}
     return data

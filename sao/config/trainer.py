@@ -195,7 +195,7 @@ class TrainerConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _no_retired_knobs(cls, data: Any) -> Any:
-        moved = move_flat_knobs(data, "trainer", MOVED_KNOBS, {"algorithm": "sao", "objective": "tis"})
+        moved = move_flat_knobs(data, "trainer", MOVED_KNOBS, cls)
         return refuse_old_names(moved, "trainer", {
             "eval_every": "is retired: shadow validation replaces it (trainer.shadow_every)",
             "eval_tasks": "is retired: shadow validation replaces it (trainer.shadow_tasks)",
