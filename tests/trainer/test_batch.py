@@ -294,6 +294,9 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     unsaid = replace(worded, steps=[replace(worded.steps[0], action_ids=said("I cannot say.<|im_end|>")),
                                     worded.steps[1]])  # no answer to correct: the retry's reply is taught
     assert text(plan_rows(plan_batch([unsaid], baseline, cfg, 0, reply), 0)[2].action_ids) == "Not 2: it is -2.<|im_end|>"
+    cut = replace(worded, steps=[replace(worded.steps[0], action_ids=said("To find 3 - 5, subtract 5")),
+                                 worded.steps[1]])  # cut off: its last number is an operand, so the answer alone
+    assert text(plan_rows(plan_batch([cut], baseline, cfg, 0, reply), 0)[2].action_ids) == "-2<|im_end|>"
 
     policy = build_policy(tiny_config.policy, 8)
     loss, stats = rank_loss(CpuEngine(policy), plan, [(0, (2,))], 1, cfg, 8)
