@@ -298,22 +298,9 @@ def record_shadow_score(version: int, success: float, best: int | None) -> None:
         SHADOW_BEST_VERSION.set(best)
 
 
-def record_shadow_drop() -> None:
-    SHADOW_DROPS.inc()
-
-
-def record_rollback() -> None:
-    TRAINER_ROLLBACKS.inc()
-
-
 def record_policy_published(version: int) -> None:
     """The trainer announced policy `version`."""
     TRAINER_POLICY_VERSION.set(version)
-
-
-def record_policy_bytes(kind: str, num_bytes: int) -> None:
-    """The trainer published a policy file of `kind` (snapshot, delta) holding `num_bytes`."""
-    TRAINER_POLICY_BYTES.labels(kind=kind).observe(num_bytes)
 
 
 def record_policy_applied(kind: str, num_bytes: int, seconds: float) -> None:
@@ -322,29 +309,9 @@ def record_policy_applied(kind: str, num_bytes: int, seconds: float) -> None:
     SAMPLER_POLICY_APPLY_SECONDS.labels(kind=kind).observe(seconds)
 
 
-def record_weights_sent(seconds: float) -> None:
-    """The trainer sent a published file through the weights topic in `seconds` (all chunks acknowledged)."""
-    TRAINER_WEIGHTS_SEND_SECONDS.observe(seconds)
-
-
-def record_weights_fetched(kind: str, seconds: float) -> None:
-    """A sampler fetched a policy file of `kind` from the weights topic in `seconds`."""
-    SAMPLER_WEIGHTS_FETCH_SECONDS.labels(kind=kind).observe(seconds)
-
-
-def record_policy_resync() -> None:
-    """A sampler dropped its place in the delta chain and will re-sync from a snapshot."""
-    SAMPLER_POLICY_RESYNCS.inc()
-
-
 def record_checkpoint(seconds: float) -> None:
     """The trainer saved a checkpoint in `seconds`."""
     TRAINER_CHECKPOINT_SECONDS.observe(seconds)
-
-
-def record_skipped_step(reason: str) -> None:
-    """The trainer skipped an optimizer step for `reason` (non-finite-loss, non-finite-gradient)."""
-    TRAINER_SKIPPED_STEPS.labels(reason=reason).inc()
 
 
 # --- Sentence encoder throughput (sao/compression/semantic.py) ---------------------------------
@@ -386,11 +353,6 @@ SAMPLER_VERSIONS_BEHIND = Gauge(
     "sao_sampler_versions_behind",
     "Policy versions between the newest authentic announcement and the version this sampler uses; over "
     "trainer.max_staleness, its trajectories are dead-lettered as too-stale.", ["sampler"])
-
-
-def record_versions_behind(sampler_id: str, behind: int) -> None:
-    """Sampler `sampler_id` uses a version `behind` versions older than the newest announced."""
-    SAMPLER_VERSIONS_BEHIND.labels(sampler=sampler_id).set(behind)
 
 
 # --- Broker health (sao/transport/health.py) -----------------------------------------------------

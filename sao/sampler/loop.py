@@ -24,12 +24,12 @@ from sao.dead_letters import DeadLetterReason
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import task_env
 from sao.metrics import (
+    SAMPLER_VERSIONS_BEHIND,
     record_announcement_refused,
     record_delivery,
     record_policy_reload,
     record_rollout,
     record_sampler_start,
-    record_versions_behind,
 )
 from sao.policy.weights import WeightsMismatch
 from sao.sampler.admission import Admission
@@ -435,7 +435,7 @@ class Sampler:
         authentic announcement: everything it produces then is dead-lettered as too-stale."""
         newest = self.policy_follower.newest_read
         behind = 0 if newest is None else max(0, newest - self.policy_version)
-        record_versions_behind(self.sampler_id, behind)
+        SAMPLER_VERSIONS_BEHIND.labels(sampler=self.sampler_id).set(behind)
         limit = self.config.trainer.max_staleness
         if behind > limit and not self.behind:
             log.error("%s is %d policy versions behind the newest announced (v%d, it has v%d), over "

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sao.config import SaoConfig
-from sao.metrics import record_weights_fetched
+from sao.metrics import SAMPLER_WEIGHTS_FETCH_SECONDS
 from sao.policy.weights import WeightsMismatch, announced_weights_path
 from sao.schema import PolicyAnnouncement
 from sao.transport.announcements import ANNOUNCE_KEY_NAME, read_announce_key_file
@@ -76,7 +76,7 @@ class KafkaSource:
             self.fetcher.fetch(announcement, path, max_bytes)
         except BadChunks as err:
             raise WeightsMismatch(str(err), err.reason) from err
-        record_weights_fetched(announcement.kind, time.perf_counter() - started)
+        SAMPLER_WEIGHTS_FETCH_SECONDS.labels(kind=announcement.kind).observe(time.perf_counter() - started)
         try:
             yield path
         finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sao.metrics import record_policy_applied, record_policy_resync
+from sao.metrics import SAMPLER_POLICY_RESYNCS, record_policy_applied
 from sao.policy.deltas import apply_changes, read_delta, state_sha256
 from sao.policy.model import MemoryPolicy
 from sao.policy.weights import WeightsMismatch, check_content, load_published, read_weights_into
@@ -110,4 +110,4 @@ class WeightSync:
         """Forget the held state: the next version comes through a snapshot."""
         self.held, self.held_sha256 = None, ""
         self.resyncs += 1
-        record_policy_resync()
+        SAMPLER_POLICY_RESYNCS.inc()

@@ -259,7 +259,7 @@ class Trainer:
             log.warning("step skipped (%s): weights, optimizer state and baselines are unchanged; the batch's %d "
                         "trajectories go to the dead-letter topic", outcome.skipped_reason,
                         len(outcome.plan.trajectories))
-            metrics.record_skipped_step(outcome.skipped_reason)
+            metrics.TRAINER_SKIPPED_STEPS.labels(reason=outcome.skipped_reason).inc()
         return outcome
 
     def _record(self, outcome: StepOutcome, trained_version: int) -> None:

@@ -106,7 +106,7 @@ class PolicyPublisher:
         """
         announcement = self.write_version(state, version, trainer_step)
         announce(self.producer, self.topic, announcement)
-        metrics.record_policy_bytes(announcement.kind, announcement.num_bytes)
+        metrics.TRAINER_POLICY_BYTES.labels(kind=announcement.kind).observe(announcement.num_bytes)
         self._prune(version)
         return announcement
 
@@ -119,7 +119,7 @@ class PolicyPublisher:
         if self.weights is not None:
             started = time.perf_counter()
             facts["chunks"] = self.weights.send(path, version, facts["sha256"])
-            metrics.record_weights_sent(time.perf_counter() - started)
+            metrics.TRAINER_WEIGHTS_SEND_SECONDS.observe(time.perf_counter() - started)
         announcement = PolicyAnnouncement(policy_version=version, weights_path=str(path.resolve()),
                                           num_bytes=path.stat().st_size, trainer_step=trainer_step,
                                           content=self.content, **facts)

@@ -103,7 +103,7 @@ class ShadowValidation:
         if self.scorer is not None:
             self.board.alias(published_as, version)
             self.board.rollbacks.append(event)
-            metrics.record_rollback()
+            metrics.TRAINER_ROLLBACKS.inc()
             self.write()
             log.warning("rolled back from v%d to v%d's weights and optimizer state, published as v%d", dropped_at,
                         version, published_as)
@@ -157,7 +157,7 @@ class ShadowValidation:
                     "rolling back to it" if rolls_back else
                     "trainer.rollback is off" if not self.config.rollback else
                     "not restorable in this life (no snapshot): training goes on")
-        metrics.record_shadow_drop()
+        metrics.SHADOW_DROPS.inc()
         return drop.best if rolls_back else -1
 
     def _add_late(self, score: ShadowScore | None, final: bool) -> None:
@@ -169,7 +169,7 @@ class ShadowValidation:
             log.warning("ALERT shadow validation: %s v%d scored %.3f below the best, v%d; the run keeps v%d "
                         "(RUN_DIR/policy/best)", "the final version" if final else "version", drop.version,
                         -drop.gap, drop.best, drop.best)
-            metrics.record_shadow_drop()
+            metrics.SHADOW_DROPS.inc()
 
 
 class NoShadow:
