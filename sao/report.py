@@ -586,69 +586,38 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
     rate = trained / duration if isinstance(trained, (int, float)) and duration else None
     staleness = finite(per_trajectory(steps, "staleness"))
     lines = [
-        f"# sao run report: {run_dir.name}",
-        "",
+        f"# sao run report: {run_dir.name}", "",
         f"Model `{summary.get('model', '?')}`, {_fmt(summary.get('tasks_fed'))} tasks, "
         f"{_fmt(summary.get('trainer_steps'))} optimizer steps in {_fmt(duration)} s. "
-        f"Written {datetime.now().isoformat(timespec='seconds')} from `summary.json` and `status/`.",
-        "",
-        "## Summary",
-        "",
-        "What each figure means: docs/summary.md in sao's repository.",
-        "",
-        "| figure | value |",
-        "|---|---:|",
-        *[f"| {key} | {_fmt(value)} |" for key, value in summary.items()],
-        "",
-        "## What the run learned",
-        "",
-        _heldout_sentence(summary),
-        "",
+        f"Written {datetime.now().isoformat(timespec='seconds')} from `summary.json` and `status/`.", "",
+        "## Summary", "", "What each figure means: docs/summary.md in sao's repository.", "",
+        "| figure | value |", "|---|---:|", *[f"| {key} | {_fmt(value)} |" for key, value in summary.items()], "",
+        "## What the run learned", "", _heldout_sentence(summary), "",
         *_skill_lines(summary),
-        _second_try_sentence(summary),
-        "",
-        "![reward](plots/reward.png)",
-        "",
+        _second_try_sentence(summary), "",
+        "![reward](plots/reward.png)", "",
         "Sampled reward of the trained trajectories, by the policy version that sampled them (the tasks "
-        "differ from version to version, and sampling is not greedy: a trend, not a measurement):",
-        "",
-        *_version_table(summary.get("reward_by_version") or []),
-        "",
+        "differ from version to version, and sampling is not greedy: a trend, not a measurement):", "",
+        *_version_table(summary.get("reward_by_version") or []), "",
         *_attempts_table(summary.get("attempts_by_version") or []),
-        "## Throughput",
-        "",
-        "![throughput](plots/throughput.png)",
-        "",
+        "## Throughput", "", "![throughput](plots/throughput.png)", "",
         f"{_fmt(trained)} trajectories trained in {_fmt(duration)} s ({_fmt(rate)} per second overall); "
         f"mean trainer step {_fmt(summary.get('trainer_step_s_mean'))} s, "
         f"{_fmt(summary.get('trainer_wait_s'))} s waiting for data in all"
-        + (f", busy {_fmt(mean([r.busy_fraction for r in steps]))} of the time." if steps else "."),
-        "",
+        + (f", busy {_fmt(mean([r.busy_fraction for r in steps]))} of the time." if steps else "."), "",
         *_cpu_lines(summary),
         *time_lines(trainer, samplers, steps),
-        "## Staleness",
-        "",
-        "![staleness](plots/staleness.png)",
-        "",
+        "## Staleness", "", "![staleness](plots/staleness.png)", "",
         f"Mean staleness {_fmt(summary.get('staleness_mean'))} versions, at most "
         f"{_fmt(max(staleness) if staleness else None)} (budget `trainer.max_staleness` = {_fmt(max_staleness)}); "
-        f"{_fmt(trainer.get('too_stale', 0))} trajectories were too stale to train on.",
-        "",
-        "## Compression",
-        "",
-        "![compression ratio](plots/compression_ratio.png)",
-        "",
+        f"{_fmt(trainer.get('too_stale', 0))} trajectories were too stale to train on.", "",
+        "## Compression", "", "![compression ratio](plots/compression_ratio.png)", "",
         f"Mean context compression ratio {_fmt(summary.get('compression_ratio'))} "
-        "(bytes a trainer would receive with the full context at every step / bytes sao sends).",
-        "",
-        "## Training health",
-        "",
-        "![training](plots/training.png)",
-        "",
+        "(bytes a trainer would receive with the full context at every step / bytes sao sends).", "",
+        "## Training health", "", "![training](plots/training.png)", "",
         f"Mean importance ratio {_fmt(summary.get('importance_ratio_mean'))}, mean |rho - 1| "
         f"{_fmt(summary.get('importance_ratio_abs_dev_mean'))}, mean grad norm before clipping "
-        f"{_fmt(summary.get('grad_norm_mean'))}.",
-        "",
+        f"{_fmt(summary.get('grad_norm_mean'))}.", "",
     ]
     if samplers:
         lines += ["## Samplers", "", "| sampler | produced | tokens | reloads | mean rollout s | policy version |",
