@@ -49,6 +49,10 @@ BootstrapOpt = Annotated[str | None, typer.Option(help="Kafka bootstrap servers 
 RunDirOpt = Annotated[Path | None, typer.Option(help="Run directory (logs, weights, checkpoints, summary).")]
 MetricsPortOpt = Annotated[int | None, typer.Option(min=0, max=65535,
                                                     help="Port of this process's /metrics; 0 disables it.")]
+RunConfigOpt = Annotated[Path | None, typer.Option("--config", "-c",
+                                                  help="The run's TOML config (default: RUN_DIR/config.toml).")]
+PolicyRunDirOpt = Annotated[Path | None, typer.Option(
+    help="Run directory whose policy/ holds the versions; default: the newest under runs/.")]
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -146,6 +150,13 @@ def _run_dir(flag: Path | None, check: bool = True) -> Path:
     return flag
 
 
+def _run_config(run_dir: Path, path: Path | None, sets: list[str] | None) -> SaoConfig:
+    """`_config` over the run's own config.toml (its env, model and settings) unless --config names another."""
+    if path is None and RunDir(run_dir).config.is_file():
+        path = RunDir(run_dir).config
+    return _config(path, sets)
+
+
 @contextmanager
 def _exit_when_broker_fails(bootstrap: str) -> Iterator[None]:
     """A broker that stops answering mid-command ends it with one line naming the address, exit code 3."""
@@ -174,8 +185,7 @@ def _exit_when_broker_gone() -> Iterator[None]:
 
 
 @app.command()
-def run(config: ConfigOpt = None, set_: SetOpt = None,
-        run_dir: RunDirOpt = None,
+def run(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None,
         num_tasks: Annotated[int | None, typer.Option(help="run.num_tasks")] = None,
         minutes: Annotated[float | None, typer.Option(help="run.max_minutes: wall-clock budget")] = None,
         samplers: Annotated[int | None, typer.Option(help="sampler.num_samplers")] = None,
@@ -220,8 +230,6 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
     cfg = _config(config, set_, **{"metrics.sampler_port": metrics_port})
     _pin(cfg.sampler.cpu_affinity)
     _serve_metrics(cfg, cfg.metrics.sampler_port, "sampler")
-    from sao.run_dir import RunDir
-
     status = RunDir(run_dir).status(sampler_id) if run_dir else None
     if cfg.policy.transport.type == "kafka":  # weights come from the broker; only the key comes from disk
         from sao.transport.announcements import ANNOUNCE_KEY_NAME
@@ -375,8 +383,7 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
           json_path: Annotated[Path | None, typer.Option("--json", help="Also write the report here, as JSON.")] = None,
           read_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to read each topic at most.")] = 300.0,
           quiet_s: Annotated[float, typer.Option(
-              min=0.1, help="A topic is read to its end once it stays quiet this long.")] = 2.0,
-          ) -> None:
+              min=0.1, help="A topic is read to its end once it stays quiet this long.")] = 2.0) -> None:
     """Account for every task copy fed: trained once, dead-lettered, in flight, lost, or trained twice.
 
     Exits 1 if anything is lost or trained twice. Reads the topics, so the broker must still hold
@@ -386,7 +393,6 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
     cfg = _config(config, set_)
     from sao.audit import audit as audit_run
     from sao.audit import report_table, write_json
-    from sao.run_dir import RunDir
 
     bootstrap = _bootstrap(cfg, bootstrap_servers)
     with _exit_when_broker_fails(bootstrap):
@@ -400,11 +406,7 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
 
 
 @app.command("eval")
-def eval_(config: Annotated[Path | None, typer.Option(
-              "--config", "-c", help="The run's TOML config (default: RUN_DIR/config.toml).")] = None,
-          set_: SetOpt = None,
-          run_dir: Annotated[Path | None, typer.Option(
-              help="Run directory whose policy/ holds the versions; default: the newest under runs/.")] = None,
+def eval_(config: RunConfigOpt = None, set_: SetOpt = None, run_dir: PolicyRunDirOpt = None,
           version: Annotated[str, typer.Option(
               help="Policy version to score: N (0 = the base model) or `best`, the version shadow validation "
                    "kept (RUN_DIR/shadow/board.json).")] = "0",
@@ -417,9 +419,7 @@ def eval_(config: Annotated[Path | None, typer.Option(
     """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
     _setup_logging()
     run_dir = _run_dir(run_dir)
-    if config is None and RunDir(run_dir).config.is_file():  # the run's env, model and settings
-        config = RunDir(run_dir).config
-    cfg = _config(config, set_)
+    cfg = _run_config(run_dir, config, set_)
     _check_env(cfg)
     from sao.policy.weights import WeightsMismatch
     from sao.sampler.evaluation import best_version, compare, evaluate
@@ -490,21 +490,16 @@ def _relaunch_on_ranks(ranks: int) -> int:
 
 @app.command()
 def export(out: Annotated[Path, typer.Option(help="Folder to write (new or empty): an HF model folder.")],
-           run_dir: Annotated[Path | None, typer.Option(
-               help="Run directory whose policy/ holds the versions; default: the newest under runs/.")] = None,
+           run_dir: PolicyRunDirOpt = None,
            version: Annotated[str, typer.Option(
                help="best (the version shadow validation kept), final (the newest published) or a version "
                     "number (0 = the base model).")] = "best",
-           config: Annotated[Path | None, typer.Option(
-               "--config", "-c", help="The run's TOML config (default: RUN_DIR/config.toml).")] = None,
-           set_: SetOpt = None) -> None:
+           config: RunConfigOpt = None, set_: SetOpt = None) -> None:
     """Write a published version as a plain Hugging Face model folder: deltas applied, LoRA adapters merged,
     tokenizer included; the memory projector beside it (sao-memory.safetensors)."""
     _setup_logging()
     run_dir = _run_dir(run_dir)
-    if config is None and RunDir(run_dir).config.is_file():
-        config = RunDir(run_dir).config
-    cfg = _config(config, set_)
+    cfg = _run_config(run_dir, config, set_)
     from sao.policy.export import export_version
     from sao.policy.recipe import PolicyRecipe
     from sao.policy.weights import WeightsMismatch
@@ -566,8 +561,6 @@ def bench(ctx: typer.Context,
           name: Annotated[str | None, typer.Argument(help="Benchmark to run (benchmarks/NAME.py); none: list them.")]
           = None) -> None:
     """Run benchmarks/NAME.py with this interpreter, passing on every argument after NAME (try NAME --help)."""
-    import subprocess
-
     if not BENCHMARKS_DIR.is_dir():
         console.print(f"[red]no benchmarks folder at {BENCHMARKS_DIR}:[/] the benchmarks ship with the repository, "
                       "not the wheel; install sao from a clone (pip install -e .) to run them")
