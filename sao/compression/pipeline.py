@@ -74,8 +74,7 @@ def visible_slots_at(created_at_turn: Sequence[int], turn: int, recent_window: i
     return [i for i, created in enumerate(created_at_turn) if created <= horizon]
 
 
-def recall_turns(slot_vectors: np.ndarray, spans: np.ndarray, query: np.ndarray, turns: int,
-                 before: int) -> list[int]:
+def recall_turns(slot_vectors: np.ndarray, spans: np.ndarray, query: np.ndarray, turns: int, before: int) -> list[int]:
     """Up to `turns` turn indices below `before`, ascending: those of the slots nearest `query` (cosine),
     nearest slot first. The slots are the visible ones (each created before `before`).
 

@@ -57,8 +57,7 @@ class SemanticEncoder:
     same), and a repeated text costs a lookup instead of a forward pass. 0 disables the cache.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", batch_size: int = 64,
-                 cache_size: int = 4096):
+    def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", batch_size: int = 64, cache_size: int = 4096):
         from sentence_transformers import SentenceTransformer  # slow import, only when used
 
         if batch_size < 1 or cache_size < 0:

@@ -214,9 +214,8 @@ def mean_kl(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], pairs: Se
 
 def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], steps: int, lr: float = 1e-3,
                     batch_size: int = 8, seed: int = 0, top_k: int = 64,
-                    progress: Callable[[str, int, float], None] | None = None,
-                    reconstruction: Sequence[TurnInput] = (), reconstruct_updates: int = 0,
-                    reconstruct_batch: int = 16, reconstruct_weight: float = 0.0,
+                    progress: Callable[[str, int, float], None] | None = None, reconstruction: Sequence[TurnInput] = (),
+                    reconstruct_updates: int = 0, reconstruct_batch: int = 16, reconstruct_weight: float = 0.0,
                     pairs: Sequence[tuple[int, int]] | None = None) -> list[float]:
     """Train `policy.projector` (only); returns the loss of every update.
 

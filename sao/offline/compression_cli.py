@@ -114,9 +114,7 @@ def _load_episodes(cfg: SaoConfig, input_path: Path | None, bootstrap_servers: s
 def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (JSONL).")],
            env: Annotated[str, typer.Option(help="Env whose scripted agents play.")] = "textworld",
            episodes: Annotated[int, typer.Option(min=1, help="Episodes to record.")] = 10,
-           agent: AgentOpt = "noisy",
-           noise: NoiseOpt = 0.2,
-           seed: SeedOpt = 0,
+           agent: AgentOpt = "noisy", noise: NoiseOpt = 0.2, seed: SeedOpt = 0,
            start_index: Annotated[int, typer.Option(min=0, help="First task index.")] = 0,
            config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Record episodes of the scripted agents to a JSONL file (world shape: --set env.options.size=12 …)."""
@@ -132,15 +130,10 @@ def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (
 
 
 @compression_app.command()
-def train(out: OutOpt,
-          input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
+def train(out: OutOpt, input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
           episodes: Annotated[int, typer.Option(min=2, help="With --from-env: episodes to play.")] = 20,
-          agent: AgentOpt = "mix",
-          noise: NoiseOpt = 0.2,
-          max_messages: MaxMessagesOpt = None,
-          encoder: EncoderOpt = None,
-          seed: SeedOpt = 0,
-          target_keep_ratio: KeepRatioOpt = 0.5,
+          agent: AgentOpt = "mix", noise: NoiseOpt = 0.2, max_messages: MaxMessagesOpt = None,
+          encoder: EncoderOpt = None, seed: SeedOpt = 0, target_keep_ratio: KeepRatioOpt = 0.5,
           hidden: Annotated[int, typer.Option(min=1, help="LSTM hidden size.")] = 128,
           epochs: Annotated[int, typer.Option(min=1, help="Training epochs.")] = 30,
           threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
@@ -190,8 +183,7 @@ def bottleneck(width: Annotated[int, typer.Option(min=1, help="Directions kept: 
                seed: SeedOpt = 0,
                out: Annotated[Path | None, typer.Option(
                    help="Basis file to write (default: the shipped one for this encoder).")] = None,
-               input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
-               max_messages: MaxMessagesOpt = None,
+               input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, max_messages: MaxMessagesOpt = None,
                config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Fit the memory bottleneck: the principal directions memory slots travel in (compression.bottleneck), on the
     built-in scripted corpus or on your workload's episodes (--input, --bootstrap-servers)."""
@@ -237,12 +229,8 @@ def bottleneck(width: Annotated[int, typer.Option(min=1, help="Directions kept: 
 @compression_app.command()
 def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None, from_env: FromEnvOpt = None,
             index: Annotated[int, typer.Option(min=0, help="Which episode of the file, topic or env.")] = 0,
-            agent: AgentOpt = "noisy",
-            noise: NoiseOpt = 0.2,
-            seed: SeedOpt = 0,
-            encoder: EncoderOpt = None,
-            temporal_weights: WeightsOpt = None,
-            threshold: ThresholdOpt = None,
+            agent: AgentOpt = "noisy", noise: NoiseOpt = 0.2, seed: SeedOpt = 0, encoder: EncoderOpt = None,
+            temporal_weights: WeightsOpt = None, threshold: ThresholdOpt = None,
             limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many rows.")] = None,
             kept_only: Annotated[bool, typer.Option(help="Show only the kept steps.")] = False,
             width: Annotated[int, typer.Option(min=10, help="Characters of step text shown.")] = 70,

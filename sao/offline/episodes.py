@@ -180,9 +180,8 @@ def read_episodes_from_topic(bootstrap: str, topic: str, tokenizer: PreTrainedTo
 
 
 def replay_episode(episode: Episode, chat, encoder: SemanticEncoder, temporal_filter: TemporalFilter,
-                   recent_window: int = 1, sampler_id: str = "replay",
-                   embeddings: np.ndarray | None = None, bottleneck: Bottleneck | None = None,
-                   recall_turns: int = 0) -> tuple[Trajectory, list[Decision]]:
+                   recent_window: int = 1, sampler_id: str = "replay", embeddings: np.ndarray | None = None,
+                   bottleneck: Bottleneck | None = None, recall_turns: int = 0) -> tuple[Trajectory, list[Decision]]:
     """The trajectory a sampler would send had its policy taken the recorded actions.
 
     `chat` is the sampler's `sao.policy.chat.ChatFormat` (token ids are built exactly as

@@ -202,9 +202,8 @@ class Roller:
                           f"turn {len(episode.steps) + 1}'s context is {turn.positions} positions, over "
                           f"{self.max_context} (the model's context less policy.max_new_tokens)")
 
-    def rollout_batch(self, tasks: list[Task], behaviour_version: int, greedy: bool = False,
-                      slots: int | None = None, on_done: Callable[[int], None] | None = None
-                      ) -> list[Trajectory | EnvFailure]:
+    def rollout_batch(self, tasks: list[Task], behaviour_version: int, greedy: bool = False, slots: int | None = None,
+                      on_done: Callable[[int], None] | None = None) -> list[Trajectory | EnvFailure]:
         """One trajectory per task, in order; a task whose env failed yields its EnvFailure instead.
 
         At most `slots` episodes (default: all) are live at once, and a slot is refilled with the

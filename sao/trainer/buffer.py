@@ -29,8 +29,7 @@ class BufferEntry:
 
 
 class ReplayBuffer:
-    def __init__(self, max_reuse: int = 1, priority_exponent: float = 0.0, freshness_decay: float = 1.0,
-                 seed: int = 0):
+    def __init__(self, max_reuse: int = 1, priority_exponent: float = 0.0, freshness_decay: float = 1.0, seed: int = 0):
         self.max_reuse = max_reuse
         self.priority_exponent = priority_exponent
         self.freshness_decay = freshness_decay

@@ -61,8 +61,7 @@ class TrajectoryStream:
     def __init__(self, bootstrap: str, topic: str, dlq: DeadLetterQueue, max_staleness: int,
                  validator: TrajectoryValidator, start_offsets: dict[int, int] | None = None,
                  seen_ids: set[str] | None = None, group_id: str = "sao-trainer",
-                 dead_lettered_offsets: dict[int, list[int]] | None = None,
-                 fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS):
+                 dead_lettered_offsets: dict[int, list[int]] | None = None, fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS):
         self.topic = topic
         self.dlq = dlq
         self.max_staleness = max_staleness
