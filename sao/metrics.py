@@ -21,11 +21,8 @@ if TYPE_CHECKING:
     from sao.schema import Trajectory
     from sao.status import StepRecord
 
-DLQ_MESSAGES = Counter(
-    "sao_dlq_messages_total",
-    "Messages sent to a dead-letter topic instead of being processed, by reason code.",
-    ["reason"],
-)
+DLQ_MESSAGES = Counter("sao_dlq_messages_total",
+                       "Messages sent to a dead-letter topic instead of being processed, by reason code.", ["reason"])
 
 # Bucket ladders, chosen for CPU runs (seconds to minutes) and GPU runs (milliseconds) alike.
 _FAST_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -72,15 +72,9 @@ def trajectory_context_costs(trajectory: Trajectory, encoder_dim: int | None = N
     embeddings before it are `encoder_dim` wide (default: the same, right when no bottleneck narrowed them)."""
     memory_width = trajectory.memory.vectors.shape[1]
     turn_tokens = [len(s.observation_ids) + len(s.action_ids) for s in trajectory.steps]
-    return context_costs(
-        len(trajectory.prompt_ids),
-        turn_tokens,
-        [s.memory_count for s in trajectory.steps],
-        encoder_dim or memory_width,
-        trajectory.recent_window,
-        memory_width=memory_width,
-        recalled_tokens=[sum(turn_tokens[turn] for turn in s.recalled) for s in trajectory.steps],
-    )
+    return context_costs(len(trajectory.prompt_ids), turn_tokens, [s.memory_count for s in trajectory.steps],
+                         encoder_dim or memory_width, trajectory.recent_window, memory_width=memory_width,
+                         recalled_tokens=[sum(turn_tokens[turn] for turn in s.recalled) for s in trajectory.steps])
 
 
 def conversation_tokens(prompt_tokens: int, steps: Sequence[Step]) -> int:
@@ -116,14 +110,8 @@ def trajectory_bytes(trajectory: Trajectory) -> dict[str, int]:
     memory_bytes = memory.vectors.nbytes + memory.scales.nbytes + memory.spans.nbytes + memory.reward_sums.nbytes
     slot_refs = 4 * (len(trajectory.steps) + sum(len(s.recalled) for s in trajectory.steps))
     stored_once = history * TOKEN_BYTES
-    return {
-        "naive": naive * TOKEN_BYTES,
-        "stored_once": stored_once,
-        "memory": memory_bytes,
-        "slot_refs": slot_refs,
-        "sao": stored_once + memory_bytes + slot_refs,
-        "message": len(encode(trajectory)),
-    }
+    return {"naive": naive * TOKEN_BYTES, "stored_once": stored_once, "memory": memory_bytes, "slot_refs": slot_refs,
+            "sao": stored_once + memory_bytes + slot_refs, "message": len(encode(trajectory))}
 
 
 def compression_stats(prompt_tokens: int, steps: Sequence[Step], memory: Memory) -> dict[str, float]:

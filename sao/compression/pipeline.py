@@ -134,13 +134,11 @@ class _SlotTable:
         self.turns += 1
 
     def table(self) -> MemoryTable:
-        return MemoryTable(
-            vectors=np.array(self.vectors, dtype=np.int8).reshape(len(self.vectors), self.memory_width),
-            scales=np.array(self.scales, dtype=np.float32),
-            spans=np.array(self.spans, dtype=np.int32).reshape(len(self.spans), 2),
-            reward_sums=np.array(self.reward_sums, dtype=np.float32),
-            created_at_turn=np.array(self.created_at, dtype=np.int32),
-        )
+        return MemoryTable(vectors=np.array(self.vectors, dtype=np.int8).reshape(len(self.vectors), self.memory_width),
+                           scales=np.array(self.scales, dtype=np.float32),
+                           spans=np.array(self.spans, dtype=np.int32).reshape(len(self.spans), 2),
+                           reward_sums=np.array(self.reward_sums, dtype=np.float32),
+                           created_at_turn=np.array(self.created_at, dtype=np.int32))
 
     def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
         indices = list(slot_indices)
@@ -152,10 +150,8 @@ class _SlotTable:
 
 def _check_compatible(encoder: SemanticEncoder, temporal_filter: TemporalFilter) -> None:
     if encoder.dim != temporal_filter.dim:
-        raise ValueError(
-            f"encoder {encoder.name!r} gives {encoder.dim}-d embeddings but the temporal filter "
-            f"was trained on {temporal_filter.dim}-d; train a filter for this encoder"
-        )
+        raise ValueError(f"encoder {encoder.name!r} gives {encoder.dim}-d embeddings but the temporal filter "
+                         f"was trained on {temporal_filter.dim}-d; train a filter for this encoder")
     trained_on = temporal_filter.meta.get("encoder")
     if trained_on and trained_on != encoder.name:
         logger.warning("temporal filter was trained on %r embeddings, used with %r",
@@ -221,27 +217,17 @@ class OnlineCompressor:
 
     def stats(self) -> CompressionStats:
         slots = self._slots
-        return CompressionStats(
-            steps=slots.turns,
-            kept_slots=len(slots.scales),
-            merged_steps=slots.turns - len(slots.scales),
-            fp32_bytes=slots.turns * self.encoder.dim * 4,
-            int8_bytes=len(slots.scales) * (slots.memory_width + 4),
-            encode_seconds=self._seconds["encode"],
-            filter_seconds=self._seconds["filter"],
-            quantize_seconds=self._seconds["quantize"],
-        )
+        return CompressionStats(steps=slots.turns, kept_slots=len(slots.scales),
+                                merged_steps=slots.turns - len(slots.scales),
+                                fp32_bytes=slots.turns * self.encoder.dim * 4,
+                                int8_bytes=len(slots.scales) * (slots.memory_width + 4),
+                                encode_seconds=self._seconds["encode"], filter_seconds=self._seconds["filter"],
+                                quantize_seconds=self._seconds["quantize"])
 
 
-def compress_batch(
-    texts: Sequence[str],
-    rewards: Sequence[float],
-    encoder: SemanticEncoder,
-    temporal_filter: TemporalFilter,
-    recent_window: int = 1,
-    embeddings: np.ndarray | None = None,
-    bottleneck: Bottleneck | None = None,
-) -> tuple[MemoryTable, list[list[int]], list[Decision]]:
+def compress_batch(texts: Sequence[str], rewards: Sequence[float], encoder: SemanticEncoder,
+                   temporal_filter: TemporalFilter, recent_window: int = 1, embeddings: np.ndarray | None = None,
+                   bottleneck: Bottleneck | None = None) -> tuple[MemoryTable, list[list[int]], list[Decision]]:
     """Compress a finished trajectory at once; equals running OnlineCompressor step by step.
 
     `embeddings`, if given, are `encoder.encode(texts)` computed earlier (saves encoding twice).

@@ -121,13 +121,8 @@ class SemanticEncoder:
         started = time.perf_counter()
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for indices in self._same_length_groups(texts):
-            vectors = self._model.encode(
-                [texts[i] for i in indices],
-                batch_size=self.batch_size,
-                convert_to_numpy=True,
-                normalize_embeddings=True,
-                show_progress_bar=False,
-            )
+            vectors = self._model.encode([texts[i] for i in indices], batch_size=self.batch_size, convert_to_numpy=True,
+                                         normalize_embeddings=True, show_progress_bar=False)
             out[indices] = vectors.astype(np.float32, copy=False)
         record_encode(self.name, len(texts), time.perf_counter() - started)
         return out

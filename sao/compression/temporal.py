@@ -145,21 +145,16 @@ class TemporalFilter:
         if embeddings.ndim != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"expected embeddings [n, {self.dim}], got {embeddings.shape}")
         errors = np.concatenate([[0.0], sequence_errors(self.model, embeddings)])
-        return [
-            _decide(t == 0, float(rewards[t]), float(errors[t]), self.threshold)
-            for t in range(len(embeddings))
-        ]
+        return [_decide(t == 0, float(rewards[t]), float(errors[t]), self.threshold)
+                for t in range(len(embeddings))]
 
 
 def _as_model(filter_model: NextEmbeddingLSTM | TemporalFilter) -> NextEmbeddingLSTM:
     return filter_model.model if isinstance(filter_model, TemporalFilter) else filter_model
 
 
-def calibrate_threshold(
-    filter_model: NextEmbeddingLSTM | TemporalFilter,
-    sequences: Sequence[np.ndarray],
-    target_keep_ratio: float,
-) -> float:
+def calibrate_threshold(filter_model: NextEmbeddingLSTM | TemporalFilter, sequences: Sequence[np.ndarray],
+                        target_keep_ratio: float) -> float:
     """Threshold that keeps about `target_keep_ratio` of all steps of `sequences`.
 
     The ratio counts the always-kept first steps; rewards are not known here, so with rewards
@@ -217,18 +212,14 @@ def load_temporal_filter(path: str | Path | None = None, threshold: float | None
     if path is None:
         path = DEFAULT_WEIGHTS_PATH
         if not path.exists():
-            raise FileNotFoundError(
-                f"default temporal filter weights {path} do not exist yet; "
-                f"create them with `{DEFAULT_WEIGHTS_COMMAND}`"
-            )
+            raise FileNotFoundError(f"default temporal filter weights {path} do not exist yet; "
+                                    f"create them with `{DEFAULT_WEIGHTS_COMMAND}`")
     path = Path(path)
     meta_path = sidecar_path(path)
     for needed in (path, meta_path):
         if not needed.exists():
-            raise FileNotFoundError(
-                f"temporal filter file {needed} is missing; weights and their .json sidecar are "
-                "written together by save_temporal_weights"
-            )
+            raise FileNotFoundError(f"temporal filter file {needed} is missing; weights and their .json sidecar are "
+                                    "written together by save_temporal_weights")
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != WEIGHTS_FORMAT:
         raise ValueError(f"{meta_path} has format {meta.get('format')!r}, expected {WEIGHTS_FORMAT!r}")

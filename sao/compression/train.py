@@ -45,17 +45,9 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(values[mask].mean())
 
 
-def train_temporal_model(
-    sequences: Sequence[np.ndarray],
-    dim: int,
-    hidden: int = 256,
-    epochs: int = 30,
-    lr: float = 1e-3,
-    seed: int = 0,
-    batch_size: int = 32,
-    val_fraction: float = 0.1,
-    chunk_length: int = 128,
-) -> tuple[NextEmbeddingLSTM, dict]:
+def train_temporal_model(sequences: Sequence[np.ndarray], dim: int, hidden: int = 256, epochs: int = 30,
+                         lr: float = 1e-3, seed: int = 0, batch_size: int = 32, val_fraction: float = 0.1,
+                         chunk_length: int = 128) -> tuple[NextEmbeddingLSTM, dict]:
     """Train a NextEmbeddingLSTM to predict each next embedding; deterministic given `seed`.
 
     Loss is 1 - cos(prediction at t, embedding at t+1), averaged over all step pairs. A share
@@ -130,20 +122,14 @@ def train_temporal_model(
         "val_sequences": n_val,
         "chunk_length": chunk_length,
     }  # no timings here: they would make the shipped sidecar differ between identical runs
-    logger.info(
-        "temporal LSTM: val loss %.4f vs previous-embedding baseline %.4f (best epoch %d/%d, %.1f s)",
-        stats["val_loss"], stats["baseline_val_loss"], stats["best_epoch"], epochs,
-        time.perf_counter() - started,
-    )
+    logger.info("temporal LSTM: val loss %.4f vs previous-embedding baseline %.4f (best epoch %d/%d, %.1f s)",
+                stats["val_loss"], stats["baseline_val_loss"], stats["best_epoch"], epochs,
+                time.perf_counter() - started)
     return model, stats
 
 
-def train_from_texts(
-    episodes: Sequence[Sequence[str]],
-    encoder: SemanticEncoder,
-    target_keep_ratio: float = 0.5,
-    **train_kwargs,
-) -> TemporalFilter:
+def train_from_texts(episodes: Sequence[Sequence[str]], encoder: SemanticEncoder, target_keep_ratio: float = 0.5,
+                     **train_kwargs) -> TemporalFilter:
     """Encode episodes of step texts, train the LSTM on them, and calibrate its threshold.
 
     `train_kwargs` go to `train_temporal_model`; the returned filter's `meta` records the
@@ -158,12 +144,7 @@ def train_from_texts(
     model, stats = train_temporal_model(sequences, encoder.dim, **train_kwargs)
     threshold = calibrate_threshold(model, sequences, target_keep_ratio)
     temporal_filter = TemporalFilter(model, threshold, {"encoder": encoder.name})
-    temporal_filter.meta.update(
-        seed=stats["seed"],
-        target_keep_ratio=target_keep_ratio,
-        keep_ratio=measure_keep_ratio(temporal_filter, sequences),
-        episodes=len(episodes),
-        steps=len(texts),
-        training=stats,
-    )
+    temporal_filter.meta.update(seed=stats["seed"], target_keep_ratio=target_keep_ratio,
+                                keep_ratio=measure_keep_ratio(temporal_filter, sequences), episodes=len(episodes),
+                                steps=len(texts), training=stats)
     return temporal_filter

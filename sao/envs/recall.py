@@ -52,20 +52,18 @@ ROLES = ["courier", "pilot", "baker", "gardener", "captain", "doctor", "tailor",
 ONSETS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
 CODAS = "lmnrsk"
-DISTRACTORS = [
-    "The kettle in the kitchen has started to boil.", "It rained for most of the morning.",
-    "A cat is sleeping on the windowsill.", "The train to the coast was a little late today.",
-    "Someone in the next room is practising the piano.", "The garden needs watering again.",
-    "The library closes early on Sundays.", "There is fresh bread at the market.",
-    "The wind has blown some leaves onto the porch.", "The radio is playing an old song.",
-    "A new cafe opened at the end of the street.", "The clock in the hall runs a few minutes fast.",
-    "Two children are flying a kite in the park.", "The river is higher than usual this week.",
-    "The neighbours are painting their fence blue.", "A parcel arrived, but it was for someone else.",
-    "The lamp in the study needs a new bulb.", "Snow is forecast for the mountains.",
-    "The soup needs a little more salt.", "A choir is rehearsing in the church across the road.",
-    "The bus stop has moved to the other corner.", "Somebody left an umbrella by the door.",
-    "The museum has a new exhibition of maps.", "The ferry runs every half hour in summer.",
-]
+DISTRACTORS = ["The kettle in the kitchen has started to boil.", "It rained for most of the morning.",
+               "A cat is sleeping on the windowsill.", "The train to the coast was a little late today.",
+               "Someone in the next room is practising the piano.", "The garden needs watering again.",
+               "The library closes early on Sundays.", "There is fresh bread at the market.",
+               "The wind has blown some leaves onto the porch.", "The radio is playing an old song.",
+               "A new cafe opened at the end of the street.", "The clock in the hall runs a few minutes fast.",
+               "Two children are flying a kite in the park.", "The river is higher than usual this week.",
+               "The neighbours are painting their fence blue.", "A parcel arrived, but it was for someone else.",
+               "The lamp in the study needs a new bulb.", "Snow is forecast for the mountains.",
+               "The soup needs a little more salt.", "A choir is rehearsing in the church across the road.",
+               "The bus stop has moved to the other corner.", "Somebody left an umbrella by the door.",
+               "The museum has a new exhibition of maps.", "The ferry runs every half hour in summer."]
 RULES = ("I will tell you some facts, one per message, mixed with small talk. Repeat each message back to me. "
          "When I ask a question, answer it.")
 READY = "Ready."  # the reply the rules turn asks for

@@ -21,12 +21,8 @@ from sao.schema import Task
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_ENVS = {
-    "arithmetic": "sao.envs.arithmetic:ArithmeticEnv",
-    "humaneval": "sao.envs.humaneval:HumanEvalEnv",
-    "recall": "sao.envs.recall:RecallEnv",
-    "textworld": "sao.envs.textworld:TextWorldEnv",
-}
+BUILTIN_ENVS = {"arithmetic": "sao.envs.arithmetic:ArithmeticEnv", "humaneval": "sao.envs.humaneval:HumanEvalEnv",
+                "recall": "sao.envs.recall:RecallEnv", "textworld": "sao.envs.textworld:TextWorldEnv"}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 

@@ -54,10 +54,8 @@ def arithmetic_questions(seed: int, count: int) -> list[tuple[str, int]]:
     except ImportError:
         logger.warning("reasoning_gym is not installed; using built-in 'What is a op b?' questions")
     else:
-        dataset = reasoning_gym.create_dataset(
-            "basic_arithmetic", size=count, seed=seed,
-            min_terms=2, max_terms=3, min_digits=1, max_digits=2,
-        )
+        dataset = reasoning_gym.create_dataset("basic_arithmetic", size=count, seed=seed,
+                                               min_terms=2, max_terms=3, min_digits=1, max_digits=2)
         return [(entry["question"], int(float(entry["answer"]))) for entry in dataset]
     rng = random.Random(seed)
     questions = []
@@ -165,25 +163,18 @@ def main(argv: list[str] | None = None) -> None:
     episodes = tutoring_episodes(args.seed, args.short_episodes, args.long_episodes)
     episodes += labyrinth_episodes(args.seed, args.labyrinth_episodes)
     encoder = load_encoder(DEFAULT_MODEL)
-    temporal_filter = train_from_texts(
-        episodes, encoder, target_keep_ratio=args.keep_ratio,
-        hidden=128, epochs=args.epochs, seed=args.seed,
-    )
-    meta = {
-        **temporal_filter.meta,
-        "threshold": temporal_filter.threshold,
-        "command": " ".join(["python -m sao.offline.default_weights", *argv]),
-        "corpus": f"synthetic arithmetic tutoring: {args.short_episodes} short + "
-                  f"{args.long_episodes} long episodes, questions from {question_source()}; "
-                  f"{args.labyrinth_episodes} textworld episodes by the scripted agents",
-    }
+    temporal_filter = train_from_texts(episodes, encoder, target_keep_ratio=args.keep_ratio,
+                                       hidden=128, epochs=args.epochs, seed=args.seed)
+    meta = {**temporal_filter.meta, "threshold": temporal_filter.threshold,
+            "command": " ".join(["python -m sao.offline.default_weights", *argv]),
+            "corpus": f"synthetic arithmetic tutoring: {args.short_episodes} short + "
+                      f"{args.long_episodes} long episodes, questions from {question_source()}; "
+                      f"{args.labyrinth_episodes} textworld episodes by the scripted agents"}
     save_temporal_weights(temporal_filter.model, args.out, meta)
     training = meta["training"]
-    logger.info(
-        "threshold %.4f keeps %.3f of steps; val loss %.4f vs baseline %.4f; wrote %s",
-        temporal_filter.threshold, meta["keep_ratio"], training["val_loss"],
-        training["baseline_val_loss"], args.out,
-    )
+    logger.info("threshold %.4f keeps %.3f of steps; val loss %.4f vs baseline %.4f; wrote %s",
+                temporal_filter.threshold, meta["keep_ratio"], training["val_loss"],
+                training["baseline_val_loss"], args.out)
 
 
 if __name__ == "__main__":

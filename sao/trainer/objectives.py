@@ -105,16 +105,12 @@ def policy_loss(inputs: LossInputs, cfg: TrainerConfig) -> tuple[torch.Tensor, L
     with torch.no_grad():
         token_ratio = torch.exp(token_log_ratio)
         tokens = mask.sum().clamp(min=1)
-        stats = LossStats(
-            loss=float(loss),
-            ratio_mean=float((token_ratio * mask).sum() / tokens),
-            ratio_abs_dev=float(((token_ratio - 1).abs() * mask).sum() / tokens),
-            clip_fraction=float((affected * mask).sum() / tokens),
-            kl_k3=float((((token_ratio - 1) - token_log_ratio) * mask).sum() / tokens),
-            tokens=int(mask.sum()),
-            token_nll=float((-inputs.logprobs * mask).sum() / tokens),
-            kl_to_base=float(kl_to_base.sum() / tokens) if kl_to_base is not None else float("nan"),
-        )
+        stats = LossStats(loss=float(loss), ratio_mean=float((token_ratio * mask).sum() / tokens),
+                          ratio_abs_dev=float(((token_ratio - 1).abs() * mask).sum() / tokens),
+                          clip_fraction=float((affected * mask).sum() / tokens),
+                          kl_k3=float((((token_ratio - 1) - token_log_ratio) * mask).sum() / tokens),
+                          tokens=int(mask.sum()), token_nll=float((-inputs.logprobs * mask).sum() / tokens),
+                          kl_to_base=float(kl_to_base.sum() / tokens) if kl_to_base is not None else float("nan"))
     return loss, stats
 
 

@@ -39,26 +39,16 @@ class DeadLetterQueue:
         self.topic = topic
         self.pending = 0  # dead letters queued and not yet acknowledged (or refused)
 
-    def send(
-        self,
-        value: bytes | None,
-        reason: DeadLetterReason,
-        *,
-        source_topic: str | None = None,
-        partition: int | None = None,
-        offset: int | None = None,
-        key: bytes | str | None = None,
-        detail: str = "",
-    ) -> None:
+    def send(self, value: bytes | None, reason: DeadLetterReason, *, source_topic: str | None = None,
+             partition: int | None = None, offset: int | None = None, key: bytes | str | None = None,
+             detail: str = "") -> None:
         """Queue `value` for the dead-letter topic, saying why (`reason`) and what was wrong (`detail`).
 
         A reason outside the vocabulary raises ValueError: readers and docs know only those codes."""
         reason = DeadLetterReason(reason)
         headers = _headers(reason, detail, source_topic, partition, offset)
-        log.warning(
-            "Dead-lettering a message from %s[%s]@%s to %s: %s %s",
-            source_topic, partition, offset, self.topic, reason, detail,
-        )
+        log.warning("Dead-lettering a message from %s[%s]@%s to %s: %s %s",
+                    source_topic, partition, offset, self.topic, reason, detail)
         self.producer.produce(self.topic, value=value, key=key, headers=headers, on_delivery=self._on_delivery)
         self.pending += 1
         self.producer.poll(0)  # serve earlier delivery reports without waiting
@@ -80,9 +70,8 @@ class DeadLetterQueue:
             log.error("Could not write to dead-letter topic %s: %s; the message is lost", self.topic, error.str())
 
 
-def _headers(
-    reason: str, detail: str, source_topic: str | None, partition: int | None, offset: int | None
-) -> list[tuple[str, bytes]]:
+def _headers(reason: str, detail: str, source_topic: str | None, partition: int | None,
+             offset: int | None) -> list[tuple[str, bytes]]:
     headers = [(REASON_HEADER, reason.encode()), (DETAIL_HEADER, detail.encode())]
     if source_topic is not None:
         headers.append((SOURCE_TOPIC_HEADER, source_topic.encode()))

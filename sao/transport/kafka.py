@@ -214,14 +214,8 @@ def _as_text(key: bytes | str | None) -> str:
     return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
 
 
-def deliver_and_wait(
-    producer: Producer | RenewingProducer,
-    topic: str,
-    value: bytes | None,
-    key: bytes | str | None = None,
-    headers: Headers | None = None,
-    timeout: float = 30,
-) -> Message:
+def deliver_and_wait(producer: Producer | RenewingProducer, topic: str, value: bytes | None,
+                     key: bytes | str | None = None, headers: Headers | None = None, timeout: float = 30) -> Message:
     """Produce one message and block until the broker acknowledges it; return the acked message.
 
     With a RenewingProducer, an outage does not count against `timeout`: its watch bounds it
@@ -241,10 +235,8 @@ def deliver_and_wait(
     return message
 
 
-def await_acknowledgements(
-    producer: Producer | RenewingProducer, done: Callable[[], bool], deadline: float, timeout: float,
-    failure: Callable[[], str],
-) -> None:
+def await_acknowledgements(producer: Producer | RenewingProducer, done: Callable[[], bool], deadline: float,
+                           timeout: float, failure: Callable[[], str]) -> None:
     """Serve delivery reports until `done()`; raise DeliveryFailed(`failure()`) past `deadline` (monotonic).
 
     With a RenewingProducer an outage does not count: while its watch sees the broker down the
@@ -265,10 +257,8 @@ def await_acknowledgements(
         producer.flush(min(0.1, remaining))
 
 
-def produce_when_room(
-    producer: Producer | RenewingProducer, deadline: float, topic: str, value: bytes | None,
-    key: bytes | str | None, **kwargs: Any,
-) -> None:
+def produce_when_room(producer: Producer | RenewingProducer, deadline: float, topic: str, value: bytes | None,
+                      key: bytes | str | None, **kwargs: Any) -> None:
     """`producer.produce`, waiting (until `deadline`, a monotonic time) while the local queue is full."""
     # BufferError means the local queue is full; serving delivery reports frees room.
     while True:
@@ -281,13 +271,8 @@ def produce_when_room(
             producer.poll(0.1)
 
 
-def read_all(
-    bootstrap: str,
-    topic: str,
-    timeout: float = 5.0,
-    max_messages: int | None = None,
-    quiet_period: float = 1.0,
-) -> list[Message]:
+def read_all(bootstrap: str, topic: str, timeout: float = 5.0, max_messages: int | None = None,
+             quiet_period: float = 1.0) -> list[Message]:
     """Read a topic from the beginning of every partition until it stays quiet.
 
     Stops when no message arrived for `quiet_period` seconds, after `timeout` seconds in all,

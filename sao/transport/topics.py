@@ -30,13 +30,8 @@ class TopicSetupError(RuntimeError):
     """A topic could not be created or did not appear in the broker's metadata."""
 
 
-def ensure_topics(
-    bootstrap: str,
-    partitions_by_topic: dict[str, int],
-    timeout: float = 15,
-    replication_factor: int = 1,
-    config: dict[str, str] | None = None,
-) -> None:
+def ensure_topics(bootstrap: str, partitions_by_topic: dict[str, int], timeout: float = 15, replication_factor: int = 1,
+                  config: dict[str, str] | None = None) -> None:
     """Create each missing topic with its partition count; leave existing topics alone.
 
     `replication_factor` 1 suits the single embedded broker; a production Kafka wants 3.
@@ -49,15 +44,8 @@ def ensure_topics(
     missing = [name for name in partitions_by_topic if name not in existing]
     if missing:
         topic_config = DEFAULT_TOPIC_CONFIG if config is None else config
-        new_topics = [
-            NewTopic(
-                name,
-                num_partitions=partitions_by_topic[name],
-                replication_factor=replication_factor,
-                config=topic_config,
-            )
-            for name in missing
-        ]
+        new_topics = [NewTopic(name, num_partitions=partitions_by_topic[name], replication_factor=replication_factor,
+                               config=topic_config) for name in missing]
         for name, future in admin.create_topics(new_topics, request_timeout=timeout).items():
             _check_created(name, future, bootstrap, max(0.1, deadline - time.monotonic()))
     _wait_until_visible(admin, bootstrap, list(partitions_by_topic), deadline)
@@ -78,9 +66,8 @@ def _metadata(admin: AdminClient, bootstrap: str, timeout: float) -> ClusterMeta
     try:
         return admin.list_topics(timeout=timeout)
     except KafkaException as error:
-        raise TopicSetupError(
-            f"Could not read topic metadata from {bootstrap} ({error}); is the broker running?"
-        ) from error
+        raise TopicSetupError(f"Could not read topic metadata from {bootstrap} ({error}); "
+                              "is the broker running?") from error
 
 
 def _check_created(name: str, future: Future[None], bootstrap: str, timeout: float) -> None:
@@ -93,9 +80,8 @@ def _check_created(name: str, future: Future[None], bootstrap: str, timeout: flo
             return  # another process created it between our metadata read and create
         raise TopicSetupError(f"Could not create topic {name!r} on {bootstrap}: {kafka_error.str()}") from error
     except FutureTimeout as error:
-        raise TopicSetupError(
-            f"Creating topic {name!r} on {bootstrap} got no answer within {timeout:.0f} s."
-        ) from error
+        raise TopicSetupError(f"Creating topic {name!r} on {bootstrap} got no answer within "
+                              f"{timeout:.0f} s.") from error
 
 
 def _warn_on_partition_mismatch(existing: dict[str, TopicMetadata], partitions_by_topic: dict[str, int]) -> None:
@@ -103,12 +89,8 @@ def _warn_on_partition_mismatch(existing: dict[str, TopicMetadata], partitions_b
     # does it on its own; the operator decides.
     for name, wanted in partitions_by_topic.items():
         if name in existing and len(existing[name].partitions) != wanted:
-            log.warning(
-                "Topic %s exists with %d partitions, config asks for %d; keeping the existing topic",
-                name,
-                len(existing[name].partitions),
-                wanted,
-            )
+            log.warning("Topic %s exists with %d partitions, config asks for %d; keeping the existing topic", name,
+                        len(existing[name].partitions), wanted)
 
 
 def _wait_until_visible(admin: AdminClient, bootstrap: str, names: list[str], deadline: float) -> None:
