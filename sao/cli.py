@@ -196,9 +196,8 @@ def run(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None
     """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""
     _setup_logging()
     cfg = _config(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None, "run.num_tasks": num_tasks,
-                                   "run.max_minutes": minutes,
-                                   "sampler.num_samplers": samplers, "policy.model": model, "env.name": env,
-                                   "broker.bootstrap_servers": bootstrap_servers,
+                                   "run.max_minutes": minutes, "sampler.num_samplers": samplers, "policy.model": model,
+                                   "env.name": env, "broker.bootstrap_servers": bootstrap_servers,
                                    "metrics.launcher_port": metrics_port})
     _check_env(cfg)
     if cfg.broker.bootstrap_servers:
@@ -435,8 +434,7 @@ def eval_(config: RunConfigOpt = None, set_: SetOpt = None, run_dir: PolicyRunDi
             keys = ("heldout_n", "heldout_base", "heldout_final", "heldout_gain", "heldout_gain_stderr",
                     "heldout_second_try_base", "heldout_second_try_base_n", "heldout_second_try_final",
                     "heldout_second_try_n", "heldout_second_try_penalised_base", "heldout_second_try_penalised_final",
-                    "heldout_reward_base", "heldout_reward_final", "base_cached",
-                    "base_seconds", "final_seconds")
+                    "heldout_reward_base", "heldout_reward_final", "base_cached", "base_seconds", "final_seconds")
     except (FileNotFoundError, ValueError, WeightsMismatch) as err:
         console.print(f"[red]{err}[/]")
         raise typer.Exit(2) from err

@@ -154,8 +154,7 @@ def _check_compatible(encoder: SemanticEncoder, temporal_filter: TemporalFilter)
                          f"was trained on {temporal_filter.dim}-d; train a filter for this encoder")
     trained_on = temporal_filter.meta.get("encoder")
     if trained_on and trained_on != encoder.name:
-        logger.warning("temporal filter was trained on %r embeddings, used with %r",
-                       trained_on, encoder.name)
+        logger.warning("temporal filter was trained on %r embeddings, used with %r", trained_on, encoder.name)
 
 
 class OnlineCompressor:

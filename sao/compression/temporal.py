@@ -145,8 +145,7 @@ class TemporalFilter:
         if embeddings.ndim != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"expected embeddings [n, {self.dim}], got {embeddings.shape}")
         errors = np.concatenate([[0.0], sequence_errors(self.model, embeddings)])
-        return [_decide(t == 0, float(rewards[t]), float(errors[t]), self.threshold)
-                for t in range(len(embeddings))]
+        return [_decide(t == 0, float(rewards[t]), float(errors[t]), self.threshold) for t in range(len(embeddings))]
 
 
 def _as_model(filter_model: NextEmbeddingLSTM | TemporalFilter) -> NextEmbeddingLSTM:
@@ -198,8 +197,7 @@ def save_temporal_weights(model: NextEmbeddingLSTM, path: str | Path, meta: dict
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, str(path), metadata={"format": WEIGHTS_FORMAT})
-    record = {**meta, "format": WEIGHTS_FORMAT, "dim": model.dim, "hidden": model.hidden,
-              "layers": model.layers}
+    record = {**meta, "format": WEIGHTS_FORMAT, "dim": model.dim, "hidden": model.hidden, "layers": model.layers}
     sidecar_path(path).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     logger.info("saved temporal filter weights to %s", path)
 

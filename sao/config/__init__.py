@@ -33,13 +33,12 @@ from sao.config.section import TAGGED_TABLES, Section, available_cpu_ids, machin
 from sao.config.trainer import LORA_ALL_LINEAR, LoraConfig, TrainerConfig
 from sao.config.transport import BrokerConfig, TopicsConfig
 
-__all__ = ["DATASET_DEFAULT_OPTIONS", "DEFAULT_DATASET", "LORA_ALL_LINEAR", "MAX_RECALL_TURNS",
-           "BrokerConfig", "CompressionConfig", "ConfigError", "EnvConfig", "FolderTransport",
-           "GrpoAlgorithm", "KafkaTransport", "LoraConfig", "MaskedObjective", "MetricsConfig",
-           "PolicyConfig", "PpoObjective", "RunConfig", "SamplerConfig", "SandboxConfig", "SaoAlgorithm",
-           "SaoConfig", "Section", "TisObjective", "TopicsConfig", "TrainerConfig", "available_cpu_ids",
-           "load_config", "machine_cpu_ids", "refuse_old_names", "to_described_toml", "to_toml",
-           "validate_config"]
+__all__ = ["DATASET_DEFAULT_OPTIONS", "DEFAULT_DATASET", "LORA_ALL_LINEAR", "MAX_RECALL_TURNS", "BrokerConfig",
+           "CompressionConfig", "ConfigError", "EnvConfig", "FolderTransport", "GrpoAlgorithm", "KafkaTransport",
+           "LoraConfig", "MaskedObjective", "MetricsConfig", "PolicyConfig", "PpoObjective", "RunConfig",
+           "SamplerConfig", "SandboxConfig", "SaoAlgorithm", "SaoConfig", "Section", "TisObjective", "TopicsConfig",
+           "TrainerConfig", "available_cpu_ids", "load_config", "machine_cpu_ids", "refuse_old_names",
+           "to_described_toml", "to_toml", "validate_config"]
 
 
 class SaoConfig(Section):

@@ -204,9 +204,8 @@ class ArithmeticEnv:
 
     @classmethod
     def from_config(cls, config: EnvConfig) -> ArithmeticEnv:
-        return cls(max_turns=config.max_turns, retry_discount=config.retry_discount,
-                   answer_format=config.answer_format, repeat_penalty=config.repeat_penalty,
-                   reveal_answer=config.reveal_answer)
+        return cls(max_turns=config.max_turns, retry_discount=config.retry_discount, answer_format=config.answer_format,
+                   repeat_penalty=config.repeat_penalty, reveal_answer=config.reveal_answer)
 
     @classmethod
     def check_config(cls, config: EnvConfig) -> None:

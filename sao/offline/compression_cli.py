@@ -36,8 +36,7 @@ BootstrapOpt = Annotated[str | None, typer.Option(help="Read trajectories from t
 FromEnvOpt = Annotated[str | None, typer.Option(help="Play episodes with this env's scripted agents (textworld).")]
 AgentOpt = Annotated[str, typer.Option(help="Scripted agent: expert, noisy, random, or mix (4 noisy : 1 random).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the agents, the worlds (env.seed) and the LSTM training.")]
-EncoderOpt = Annotated[str | None, typer.Option(
-    help="Sentence encoder path or name (default: compression.encoder).")]
+EncoderOpt = Annotated[str | None, typer.Option(help="Sentence encoder path or name (default: compression.encoder).")]
 NoiseOpt = Annotated[float, typer.Option(min=0, max=1, help="Random-command rate of the noisy expert.")]
 MaxMessagesOpt = Annotated[int | None, typer.Option(min=1, help="With --bootstrap-servers: read at most this many.")]
 KeepRatioOpt = Annotated[float, typer.Option(min=0.01, max=1.0, help="Calibrate the threshold to keep this share of steps.")]

@@ -38,8 +38,7 @@ def kept_embeddings(episodes, encoder, temporal_filter) -> dict[str, np.ndarray]
 
 
 def _corpus(seed: int, sizes: dict[str, int]):
-    return (labyrinth_corpus(seed, sizes["labyrinth"], sizes["max_steps"])
-            + tutoring_corpus(seed, sizes["tutoring"]))
+    return labyrinth_corpus(seed, sizes["labyrinth"], sizes["max_steps"]) + tutoring_corpus(seed, sizes["tutoring"])
 
 
 def fit_memory_basis(encoder, temporal_filter, width: int, seed: int, episodes=None,

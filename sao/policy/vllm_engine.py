@@ -88,8 +88,7 @@ class VllmEngine:
             options = {} if parameter.device.type == "cpu" else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
             self.llm = LLM(model=str(folder), dtype=str(parameter.dtype).removeprefix("torch."), seed=seed,
                            enable_prompt_embeds=True, logprobs_mode="processed_logprobs",
-                           max_model_len=policy.lm.config.max_position_embeddings, enforce_eager=not compile,
-                           **options)
+                           max_model_len=policy.lm.config.max_position_embeddings, enforce_eager=not compile, **options)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         log.info("vLLM engine ready in %.1f s (%s, %s)", time.perf_counter() - started, parameter.device.type,

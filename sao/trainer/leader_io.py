@@ -62,8 +62,7 @@ class LeaderIO:
         # A dead-lettered task whose trajectory was met here counts as that trajectory only.
         task_reasons = self.dead_tasks.reasons(self.stream.seen_ids)
         return replace(own, **self.stream.counters.counts(), tasks_dead_lettered=sum(task_reasons.values()),
-                       task_dlq_reasons=task_reasons, handled_before_start=self.handled_before_start,
-                       buffered=buffered)
+                       task_dlq_reasons=task_reasons, handled_before_start=self.handled_before_start, buffered=buffered)
 
     def safe_offsets(self, buffer: ReplayBuffer) -> dict[int, int]:
         return self.stream.safe_offsets(buffer.low_water_marks())

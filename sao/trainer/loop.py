@@ -336,10 +336,9 @@ class Trainer:
     def status(self, finished: bool = False) -> dict:
         """The progress file's fields: the trainer's progress, its steps, and what it cost."""
         return {**self.role.progress(self._own_progress(finished)).as_status(), "skipped_steps": self.skipped_steps,
-                "shadow": self.shadow.status(), **self.role.status(),
-                "rank": rank(), "world_size": world_size(),
-                "memory": memory_per_rank(self.engine), "startup_s": self.startup_s,
-                **process_usage(), "idle_s": self.idle_s, "checkpoint_s": self.checkpoint_s,
+                "shadow": self.shadow.status(), **self.role.status(), "rank": rank(), "world_size": world_size(),
+                "memory": memory_per_rank(self.engine), "startup_s": self.startup_s, **process_usage(),
+                "idle_s": self.idle_s, "checkpoint_s": self.checkpoint_s,
                 "run_s": time.perf_counter() - self.run_started if self.run_started is not None else 0.0,
                 "steps": [asdict(record) for record in self.steps]}
 

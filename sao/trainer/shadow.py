@@ -109,9 +109,8 @@ class ShadowBoard:
 
         best = self.scores[self.best] if self.best is not None else None
         return {"margin": self.margin, "scores": {str(v): figures(s) for v, s in sorted(self.scores.items())},
-                "best": {"version": best.version, **figures(best)} if best else None,
-                "scorer_cpu_s": self.scorer_cpu_s, "scorer_peak_rss_mb": self.scorer_peak_rss_mb,
-                "snapshot_s": self.snapshot_s,
+                "best": {"version": best.version, **figures(best)} if best else None, "scorer_cpu_s": self.scorer_cpu_s,
+                "scorer_peak_rss_mb": self.scorer_peak_rss_mb, "snapshot_s": self.snapshot_s,
                 "drops": [asdict(drop) for drop in self.drops], "rollbacks": self.rollbacks}
 
 
@@ -220,8 +219,7 @@ class ShadowScorerProcess:
         if result.get("error"):
             log.warning("shadow scorer could not score v%d: %s", result["version"], result["error"])
             return None
-        return ShadowScore(result["version"], {t: float(s) for t, s in result["successes"].items()},
-                           result["seconds"])
+        return ShadowScore(result["version"], {t: float(s) for t, s in result["successes"].items()}, result["seconds"])
 
     def wait(self, timeout_s: float) -> ShadowScore | None:
         """Block until the pending version is scored (at the end of training, when nothing else runs).

@@ -58,9 +58,8 @@ class TrajectoryValidator:
         if output is not None:
             vocab_size = min(vocab_size, output.out_features)
         return cls(vocab_size, memory_width, config.trainer.max_abs_reward, config.trainer.max_trajectory_bytes,
-                   config.env.max_turns, task_env(config.env.name), memory_basis,
-                   config.trainer.max_trajectory_tokens, getattr(lm.config, "max_position_embeddings", None),
-                   config.trainer.micro_batch_tokens,
+                   config.env.max_turns, task_env(config.env.name), memory_basis, config.trainer.max_trajectory_tokens,
+                   getattr(lm.config, "max_position_embeddings", None), config.trainer.micro_batch_tokens,
                    config.trainer.sequence_level_ratio)
 
     def check_size(self, num_bytes: int) -> None:
@@ -111,8 +110,7 @@ class TrajectoryValidator:
         # What scoring builds is one row per step (sao/policy/context.py), so its cost is the rows' lengths, which
         # the message's array shapes give without touching a token: a byte bound is not a token bound.
         if trajectory.recent_window < 0:
-            raise SchemaError(DeadLetterReason.OUT_OF_RANGE, "recent_window",
-                              f"{trajectory.recent_window} is negative")
+            raise SchemaError(DeadLetterReason.OUT_OF_RANGE, "recent_window", f"{trajectory.recent_window} is negative")
         prompt, window = len(trajectory.prompt_ids), trajectory.recent_window
         pair_lengths: list[int] = []
         total = longest = 0
