@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from sao.config import SaoConfig
@@ -231,10 +231,8 @@ def _undecodable(scan: TopicScan, dlq_topic: str) -> dict[str, dict[str, int]]:
 def report_table(report: AuditReport) -> Table:
     """The counts as a rich table, with the ids of anything lost or trained twice (the first SHOWN_IDS)."""
     state = "finished" if report.finished else "running (nothing counts as lost yet)"
-    table = Table(title=f"audit of {report.fed} fed task copies ({report.fed_messages} messages); run {state}")
-    table.add_column("class")
-    table.add_column("copies", justify="right")
-    table.add_column("ids / detail")
+    table = Table("class", Column("copies", justify="right"), "ids / detail",
+                  title=f"audit of {report.fed} fed task copies ({report.fed_messages} messages); run {state}")
     table.add_row("trained" + (" exactly once" if report.max_reuse == 1 else f" (<= {report.max_reuse} times)"),
                   str(report.trained), f"{report.trained_after_checkpoint} after the latest checkpoint "
                                        f"(step {report.checkpoint_step})" if report.trained_after_checkpoint else "")

@@ -32,9 +32,7 @@ def inspect_topic(config: SaoConfig, bootstrap: str, what: str, limit: int) -> T
 def messages_table(title: str, what: str, messages: list) -> Table:
     """One row per message of a `what` topic; an undecodable one gets a row with the reason instead."""
     describe = {"trajectories": _trajectory_row, "dlq": _dlq_row, "policy": _policy_row}[what]
-    table = Table(title=title)
-    for column in _COLUMNS[what]:
-        table.add_column(column)
+    table = Table(*_COLUMNS[what], title=title)
     for msg in messages:
         where = f"{msg.partition()}@{msg.offset()}"
         table.add_row(where, *_cells(describe, msg, len(_COLUMNS[what]) - 1))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
-from rich.table import Table
+from rich.table import Column, Table
 
 from sao.config import SaoConfig
 from sao.run_dir import RunDir
@@ -245,9 +245,8 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
 def summary_table(summary: dict, run_dir: Path | None = None) -> Table:
     """What `sao run` prints at its end: the figures a user decides on, one screen at most (docs/summary.md
     says what every key of summary.json means; report.md has them all)."""
-    table = Table(title="sao run summary (every figure: summary.json, report.md; their meaning: docs/summary.md)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
+    table = Table("figure", Column("value", justify="right"),
+                  title="sao run summary (every figure: summary.json, report.md; their meaning: docs/summary.md)")
     for name, value in decision_rows(summary):
         table.add_row(name, value)
     if run_dir is not None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.table import Table
+from rich.table import Column, Table
 
 from sao.config import ConfigError, SaoConfig, load_config
 
@@ -270,11 +270,10 @@ def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
 def decision_table(episode: Episode, decisions, spans, threshold: float, limit: int | None, kept_only: bool,
                    width: int) -> Table:
     """One row per step: its text, keep/merge, the reason, the prediction error, and its slot."""
-    table = Table(title=f"{episode.task_id} ({episode.agent}): keep when error > {threshold:.4f}, "
+    table = Table(Column("step", justify="right"), "text", "decision", "reason",
+                  *[Column(column, justify="right") for column in ("error", "reward", "slot")],
+                  title=f"{episode.task_id} ({episode.agent}): keep when error > {threshold:.4f}, "
                         "or reward, or first step")
-    for column, justify in (("step", "right"), ("text", "left"), ("decision", "left"), ("reason", "left"),
-                            ("error", "right"), ("reward", "right"), ("slot", "right")):
-        table.add_column(column, justify=justify)
     slot_of = {step: slot for slot, (first, last) in enumerate(spans) for step in range(first, last + 1)}
     rows = 0
     for t, step in enumerate(episode.steps):
