@@ -25,9 +25,9 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
-from sao.config import ConfigError, SaoConfig, load_config, to_described_toml
+from sao.config import ConfigError, SaoConfig, load_config, to_described_toml, toml_value
 from sao.offline.compression_cli import compression_app
 from sao.run_dir import RunDir
 
@@ -67,7 +67,7 @@ def _setup_logging(level: str = "INFO") -> None:
 def _config(path: Path | None, sets: list[str] | None, **flags: Any) -> SaoConfig:
     """Effective config: file < env < --set < dedicated flags (those not None)."""
     overrides = list(sets or [])
-    overrides += [f"{key}={_literal(value)}" for key, value in flags.items() if value is not None]
+    overrides += [f"{key}={toml_value(value)}" for key, value in flags.items() if value is not None]
     try:
         return load_config(path, overrides)
     except ConfigError as err:
@@ -84,14 +84,6 @@ def _check_env(cfg: SaoConfig) -> None:
     except (ConfigError, UnknownEnv) as err:
         console.print(f"[red]config error:[/] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(2) from err
-
-
-def _literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _pin(cpus: list[int] | None) -> None:
@@ -348,9 +340,7 @@ def broker_status_cmd(bootstrap_servers: Annotated[str, typer.Option(help="Broke
     if not status["reachable"]:
         console.print(f"[red]no broker answers at {bootstrap_servers}[/]")
         raise typer.Exit(1)
-    table = Table(title=f"broker {bootstrap_servers}")
-    table.add_column("topic")
-    table.add_column("partitions", justify="right")
+    table = Table("topic", Column("partitions", justify="right"), title=f"broker {bootstrap_servers}")
     for name, partitions in sorted(status["topics"].items()):
         table.add_row(name, str(partitions))
     Console().print(table)
@@ -567,9 +557,7 @@ def bench(ctx: typer.Context,
     if name is None or name not in available:
         if name is not None:
             console.print(f"[red]unknown benchmark {name!r}[/] (no {BENCHMARKS_DIR / (name + '.py')})")
-        table = Table(title=f"benchmarks in {BENCHMARKS_DIR}: sao bench NAME [ARGS...]")
-        table.add_column("NAME")
-        table.add_column("measures")
+        table = Table("NAME", "measures", title=f"benchmarks in {BENCHMARKS_DIR}: sao bench NAME [ARGS...]")
         for benchmark, summary in available.items():
             table.add_row(benchmark, summary)
         Console().print(table)

@@ -38,7 +38,7 @@ __all__ = ["DATASET_DEFAULT_OPTIONS", "DEFAULT_DATASET", "LORA_ALL_LINEAR", "MAX
            "LoraConfig", "MaskedObjective", "MetricsConfig", "PolicyConfig", "PpoObjective", "RunConfig",
            "SamplerConfig", "SandboxConfig", "SaoAlgorithm", "SaoConfig", "Section", "TisObjective", "TopicsConfig",
            "TrainerConfig", "available_cpu_ids", "load_config", "machine_cpu_ids", "refuse_old_names",
-           "to_described_toml", "to_toml", "validate_config"]
+           "to_described_toml", "to_toml", "toml_value", "validate_config"]
 
 
 class SaoConfig(Section):
@@ -163,7 +163,7 @@ def to_toml(config: SaoConfig) -> str:
     for section, values in config.model_dump(exclude_none=True).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -180,14 +180,15 @@ def to_described_toml(config: SaoConfig | BaseModel, describe: bool = False, tab
             continue
         if describe and field.description:
             lines += [f"# {line}" for line in textwrap.wrap(field.description, 110, break_on_hyphens=False)]
-        lines.append(f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}")
+        lines.append(f"# {name} = (unset)" if value is None else f"{name} = {toml_value(value)}")
     text = (f"[{table}]\n" if table and lines else "") + "".join(f"{line}\n" for line in lines)
     for name, section in sections:
         text += ("\n" if text else "") + to_described_toml(section, describe, name)
     return text
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """`value` as a TOML literal: how runs record the config, and how CLI flags become `--set` overrides."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -195,7 +196,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"cannot render {type(value).__name__} as TOML")
