@@ -246,21 +246,16 @@ class ArithmeticEnv:
         return {"answer<0"} if answer < 0 else {"answer>=0"}
 
     @classmethod
-    def corrected_reply(cls, config: EnvConfig, first: str | None, retry: str) -> str | None:
+    def corrected_reply(cls, config: EnvConfig, first: str, retry: str) -> str | None:
         """`first` with its answer put right by `retry`'s: the reply the question should have had, in the first
-        reply's own words (trainer.hindsight_reply = corrected). `first` is None when that reply was cut off
-        before its end: it states no answer of its own (its last number is most often an operand it was still
-        working on), so the reply is `retry`'s answer alone. None when the retry states no answer."""
+        reply's own words (trainer.hindsight_reply = corrected). None when either reply states no answer."""
         if config.answer_format == "last_line":
-            right, lines = last_line(retry), (first or "").rstrip().splitlines()
-            if right is None or first is None:
-                return right
-            return None if not lines else "\n".join([*lines[:-1], right]) + first[len(first.rstrip()):]
-        right = last_number(retry)
-        if right is None or first is None:
-            return right
-        spans = list(_NUMBER.finditer(first))
-        return first[:spans[-1].start()] + right + first[spans[-1].end():] if spans else None
+            right, lines = last_line(retry), first.rstrip().splitlines()
+            return None if right is None or not lines else "\n".join([*lines[:-1], right]) + first[len(first.rstrip()):]
+        right, spans = last_number(retry), list(_NUMBER.finditer(first))
+        if right is None or not spans:
+            return None
+        return first[:spans[-1].start()] + right + first[spans[-1].end():]
 
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5, answer_format: str = "last_number",
                  repeat_penalty: float = 0.0, reveal_answer: bool = False):
