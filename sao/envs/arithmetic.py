@@ -43,6 +43,7 @@ MAX_OPTION_LENGTH = 64  # items in a list option (operators ...) or characters i
 MAX_OPTIONS = 64
 MAX_DATASET_SIZE = 2**31  # reasoning-gym draws entry i lazily, so size only has to fit its integers
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_WORKED_QUESTION = re.compile(r"Calculate (.+?)\.?")  # basic_arithmetic's questions: the expression to work
 
 
 @lru_cache(maxsize=8)
@@ -246,16 +247,28 @@ class ArithmeticEnv:
         return {"answer<0"} if answer < 0 else {"answer>=0"}
 
     @classmethod
-    def corrected_reply(cls, config: EnvConfig, first: str, retry: str) -> str | None:
-        """`first` with its answer put right by `retry`'s: the reply the question should have had, in the first
-        reply's own words (trainer.hindsight_reply = corrected). None when either reply states no answer."""
+    def corrected_reply(cls, config: EnvConfig, question: str, first: str | None, retry: str) -> str | None:
+        """`first` with its answer put right by `retry`'s: the reply `question` should have had, in the first reply's
+        own words (trainer.hindsight_reply = corrected). None when the retry states no answer, or `first` none.
+
+        `first` is None when that reply was cut off before its end: its last number is most often an operand it
+        was still working on, not an answer. The reply is then the worked answer ("a - b = c" for "Calculate a -
+        b."), else the answer alone: a bare number teaches no working, and one sign taught bare spreads to others.
+        """
         if config.answer_format == "last_line":
-            right, lines = last_line(retry), first.rstrip().splitlines()
-            return None if right is None or not lines else "\n".join([*lines[:-1], right]) + first[len(first.rstrip()):]
-        right, spans = last_number(retry), list(_NUMBER.finditer(first))
-        if right is None or not spans:
+            right = last_line(retry)
+            if right is None or first is None:
+                return right
+            lines = first.rstrip().splitlines()
+            return None if not lines else "\n".join([*lines[:-1], right]) + first[len(first.rstrip()):]
+        right = last_number(retry)
+        if right is None:
             return None
-        return first[:spans[-1].start()] + right + first[spans[-1].end():]
+        if first is None:
+            worked = _WORKED_QUESTION.fullmatch(question.strip())
+            return f"{worked.group(1)} = {right}" if worked else right
+        spans = list(_NUMBER.finditer(first))
+        return first[:spans[-1].start()] + right + first[spans[-1].end():] if spans else None
 
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5, answer_format: str = "last_number",
                  repeat_penalty: float = 0.0, reveal_answer: bool = False):

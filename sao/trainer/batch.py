@@ -114,7 +114,7 @@ def turn_returns(trajectory: Trajectory, credit: str) -> list[float]:
     return list(itertools.accumulate(reversed(rewards)))[::-1]
 
 
-HindsightReply = Callable[[Trajectory, int], "np.ndarray | None"]  # (trajectory, retry) -> action ids; None: no row
+HindsightReply = Callable[[Trajectory, int], "np.ndarray | None"]  # (trajectory, retry) -> action ids, or None
 
 
 def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int,
@@ -137,11 +137,8 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
         hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
         for index, retry in list(hindsight.items()):
             inputs = training_inputs(batch[index])
-            if hindsight_reply is not None:  # the corrected first reply, or no row where nothing is put right
-                corrected = hindsight_reply(batch[index], retry)
-                if corrected is None:
-                    del hindsight[index]
-                    continue
+            corrected = hindsight_reply(batch[index], retry) if hindsight_reply is not None else None
+            if corrected is not None:
                 actions[index] = corrected
             # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
             if _hindsight_row(inputs, actions.get(index, inputs[retry].action_ids)).positions > cfg.micro_batch_tokens:

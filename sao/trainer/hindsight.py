@@ -5,9 +5,9 @@ retry's own reply is worded for the feedback it answered ("10 is incorrect. The 
 and taught to the first turn that wording spreads to first tries. `corrected` teaches instead the
 first reply itself with its answer put right by the retry's, as the env says where a reply's answer
 stands (`corrected_reply` on the env class): the first try's own words and working, one answer
-changed. Where there is nothing to put right, there is no row: a first reply cut off before its end
-(its last number is most often an operand it was still working on) or one, or a retry, that states
-no answer. Envs without `corrected_reply` keep the retry's reply.
+changed. A first reply cut off before its end has no answer of its own to change: the env writes the
+reply whole from the retry's answer, closed like a finished reply. Envs without `corrected_reply`,
+and replies that state no answer, keep the retry's reply.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 
 from sao.config import EnvConfig, SaoConfig
 from sao.envs.registry import UnknownEnv, env_class
+from sao.policy.chat import ChatFormat, user_turn_text
 from sao.policy.loading import load_tokenizer
 from sao.schema import Trajectory
 
@@ -26,11 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class CorrectedReplies:
-    """The first turn's action ids with the answer of turn `retry` in place of its own, or None: no hindsight row."""
+    """The first turn's action ids with the answer of turn `retry` in place of its own, or None."""
 
-    def __init__(self, config: SaoConfig, correct: Callable[[EnvConfig, str, str], str | None]):
+    def __init__(self, config: SaoConfig, correct: Callable[[EnvConfig, str, str | None, str], str | None]):
         self.tokenizer = load_tokenizer(config.policy.model, config.policy.cache_dir)
         self.special = set(self.tokenizer.all_special_ids)
+        self.end_of_turn = ChatFormat(self.tokenizer, system_prompt="").end_of_turn_ids.tolist()
         self.env_config = config.env
         self.correct = correct  # the env class's `corrected_reply`
 
@@ -39,14 +41,14 @@ class CorrectedReplies:
         end = len(first)
         while end and first[end - 1] in self.special:  # the stop token stays as sampled
             end -= 1
-        if end == len(first):  # cut off by max_new_tokens: no answer of its own stands where it ends
-            return None
-        text = self.correct(self.env_config, self.tokenizer.decode(first[:end]),
+        finished = end < len(first)
+        text = self.correct(self.env_config, user_turn_text(self.tokenizer, trajectory.prompt_ids),
+                            self.tokenizer.decode(first[:end]) if finished else None,
                             self.tokenizer.decode(trajectory.steps[retry].action_ids, skip_special_tokens=True))
         if text is None:
             return None
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + first[end:]
-        return np.asarray(ids, dtype=np.int32)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(ids + (first[end:] if finished else self.end_of_turn), dtype=np.int32)
 
 
 def hindsight_replies(config: SaoConfig) -> CorrectedReplies | None:

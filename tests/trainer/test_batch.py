@@ -282,6 +282,7 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     assert plan_batch(batch, baseline, grpo, 0).hindsight == {}  # the comparison baseline stays plain GRPO
 
     # trainer.hindsight_reply = corrected: the first reply in its own words, its answer put right by the retry's.
+    from sao.policy.chat import ChatFormat
     from sao.trainer.hindsight import hindsight_replies
 
     corrected = tiny_config.model_copy(update={"trainer": cfg.model_copy(update={"hindsight_reply": "corrected"})})
@@ -292,10 +293,13 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
                                          replace(right_retry.steps[1], action_ids=said("Not 2: it is -2.<|im_end|>"))])
     assert text(plan_rows(plan_batch([worded], baseline, cfg, 0, reply), 0)[2].action_ids) == "3 - 5 = -2<|im_end|>"
     unsaid = replace(worded, steps=[replace(worded.steps[0], action_ids=said("I cannot say.<|im_end|>")),
-                                    worded.steps[1]])  # no answer to put right: no row
+                                    worded.steps[1]])  # no answer to correct: the retry's reply is taught
+    assert text(plan_rows(plan_batch([unsaid], baseline, cfg, 0, reply), 0)[2].action_ids) == "Not 2: it is -2.<|im_end|>"
     cut = replace(worded, steps=[replace(worded.steps[0], action_ids=said("To find 3 - 5, subtract 5")),
                                  worded.steps[1]])  # cut off: its last number is an operand, not its answer
-    assert plan_batch([unsaid, cut], baseline, cfg, 0, reply).hindsight == {}
+    assert text(plan_rows(plan_batch([cut], baseline, cfg, 0, reply), 0)[2].action_ids) == "-2<|im_end|>"
+    asked = replace(cut, prompt_ids=ChatFormat(reply.tokenizer, "You are a calculator.").prompt("Calculate 3 - 5."))
+    assert text(plan_rows(plan_batch([asked], baseline, cfg, 0, reply), 0)[2].action_ids) == "3 - 5 = -2<|im_end|>"
 
     policy = build_policy(tiny_config.policy, 8)
     loss, stats = rank_loss(CpuEngine(policy), plan, [(0, (2,))], 1, cfg, 8)
