@@ -58,9 +58,9 @@ class EnvConfig(Section):
                                      "called wrong (anywhere in the reply) or none; 0 = off. Without it the wrong "
                                      "retries all earn 0 and the policy keeps repeating itself (benchmarks/README.md).")
     reveal_answer: bool = Field(
-        False, description="arithmetic env: the feedback on a wrong answer states the right one, so a retry can take "
-                           "it and trainer.retry_hindsight teaches it to the first try: supervision from the env that a "
-                           "reward-only peer does not get; second-try success then measures copying.")
+        True, description="arithmetic env: the feedback on a wrong answer states the right one, so a retry can take "
+                          "it and trainer.retry_hindsight teaches it to the first try: supervision from the env that a "
+                          "reward-only peer does not get (false: reward only); second-try success then measures copying.")
     seed: int = Field(0, description="Seed of the task stream (dataset sampling).")
     turn_timeout_s: float = Field(
         30.0, ge=0, description="An env call of a turn (the reset before the first one, the step after each "

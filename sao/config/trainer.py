@@ -73,11 +73,11 @@ class TrainerConfig(Section):
                             "(own_reward in retry envs).")
     retry_hindsight: bool = Field(
         True, description="sao with own_reward credit: a retry that earned more than the first try is also trained as "
-                          "the first try's answer, with the retry's advantage: the env's feedback teaches the question.")
+                          "the first try's answer: the env's feedback teaches the question (trainer.hindsight_reply).")
     hindsight_reply: Literal["retry", "corrected"] = Field(
-        "corrected", description="What that hindsight row answers with: the first reply with its answer put right by "
-                                 "the retry's (envs that say where a reply's answer stands; others: the retry's), or "
-                                 "the retry's own reply.")
+        "corrected", description="What that row answers with: the first reply with its answer put right by the "
+                                 "retry's, judged as a first try (envs that say where a reply's answer stands; others: "
+                                 "as retry), or the retry's own reply at the retry's advantage.")
     scale_advantages: bool = Field(True, description="Scale advantages over the batch's turns to unit size (root mean "
                                                       "square 1; with center_advantages, mean 0 and std 1).")
     center_advantages: bool = Field(

@@ -270,6 +270,11 @@ class ArithmeticEnv:
         spans = list(_NUMBER.finditer(first))
         return first[:spans[-1].start()] + right + first[spans[-1].end():] if spans else None
 
+    @classmethod
+    def first_try_reward(cls, config: EnvConfig, reward: float, attempt: int) -> float:
+        """What a first try earns with the answer that earned `reward` at `attempt` (no retry discount)."""
+        return reward / config.retry_discount ** attempt
+
     def __init__(self, max_turns: int = 3, retry_discount: float = 0.5, answer_format: str = "last_number",
                  repeat_penalty: float = 0.0, reveal_answer: bool = False):
         self.extract = {"last_number": last_number, "last_line": last_line}[answer_format]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from sao.schema import Trajectory
 from sao.trainer.baselines import RewardBaseline, mean_at_turn
 from sao.trainer.distributed import world_size
 from sao.trainer.objectives import LossInputs, LossStats, policy_loss, whiten
+
+if TYPE_CHECKING:
+    from sao.trainer.hindsight import HindsightAnswer
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def turn_returns(trajectory: Trajectory, credit: str) -> list[float]:
     return list(itertools.accumulate(reversed(rewards)))[::-1]
 
 
-HindsightReply = Callable[[Trajectory, int], "np.ndarray | None"]  # (trajectory, retry) -> action ids, or None
+HindsightReply = Callable[[Trajectory, int], "HindsightAnswer | None"]  # (trajectory, retry) -> the row's answer
 
 
 def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerConfig, policy_version: int,
@@ -135,17 +139,22 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     # own_reward: the turns are attempts at one question; GRPO stays the plain comparison baseline.
     if cfg.retry_hindsight and cfg.turn_credit == "own_reward" and not grouped:
         hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
+        answers = {}
         for index, retry in list(hindsight.items()):
             inputs = training_inputs(batch[index])
-            corrected = hindsight_reply(batch[index], retry) if hindsight_reply is not None else None
-            if corrected is not None:
-                actions[index] = corrected
+            answer = hindsight_reply(batch[index], retry) if hindsight_reply is not None else None
+            if answer is not None:
+                actions[index], answers[index] = answer.action_ids, answer
             # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
             if _hindsight_row(inputs, actions.get(index, inputs[retry].action_ids)).positions > cfg.micro_batch_tokens:
                 del hindsight[index]
                 actions.pop(index, None)
         for index, retry in hindsight.items():
-            advantages[index].append(advantages[index][retry])  # taught as strongly as the retry itself
+            if index in answers:  # the question's own answer: judged as a first try, against the first try's baseline,
+                first_baseline = returns[index][0] - advantages[index][0]  # which tells copying retries nothing
+                advantages[index].append(answers[index].first_try_return - first_baseline)
+            else:  # the retry's own reply, worded for its feedback: taught as strongly as the retry itself
+                advantages[index].append(advantages[index][retry])
     if cfg.scale_advantages:
         flat = whiten(torch.tensor([a for rows in advantages for a in rows]), cfg.center_advantages).tolist()
         sizes, advantages, start = [len(rows) for rows in advantages], [], 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,17 +27,24 @@ from sao.schema import Trajectory
 log = logging.getLogger(__name__)
 
 
-class CorrectedReplies:
-    """The first turn's action ids with the answer of turn `retry` in place of its own, or None."""
+class HindsightAnswer(NamedTuple):
+    action_ids: np.ndarray  # the first turn's reply with the retry's answer
+    first_try_return: float  # what the first try would have earned with it (its row's advantage starts there)
 
-    def __init__(self, config: SaoConfig, correct: Callable[[EnvConfig, str, str | None, str], str | None]):
+
+class CorrectedReplies:
+    """The first turn's reply with the answer of turn `retry` in place of its own, or None."""
+
+    def __init__(self, config: SaoConfig, correct: Callable[[EnvConfig, str, str | None, str], str | None],
+                 first_try_reward: Callable[[EnvConfig, float, int], float]):
         self.tokenizer = load_tokenizer(config.policy.model, config.policy.cache_dir)
         self.special = set(self.tokenizer.all_special_ids)
         self.end_of_turn = ChatFormat(self.tokenizer, system_prompt="").end_of_turn_ids.tolist()
         self.env_config = config.env
         self.correct = correct  # the env class's `corrected_reply`
+        self.first_try_reward = first_try_reward  # the env class's `first_try_reward`
 
-    def __call__(self, trajectory: Trajectory, retry: int) -> np.ndarray | None:
+    def __call__(self, trajectory: Trajectory, retry: int) -> HindsightAnswer | None:
         first = [int(token) for token in trajectory.steps[0].action_ids]
         end = len(first)
         while end and first[end - 1] in self.special:  # the stop token stays as sampled
@@ -47,8 +55,9 @@ class CorrectedReplies:
                             self.tokenizer.decode(trajectory.steps[retry].action_ids, skip_special_tokens=True))
         if text is None:
             return None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return np.asarray(ids + (first[end:] if finished else self.end_of_turn), dtype=np.int32)
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + (first[end:] if finished else self.end_of_turn)
+        reward = self.first_try_reward(self.env_config, float(trajectory.steps[retry].reward), retry)
+        return HindsightAnswer(np.asarray(ids, dtype=np.int32), reward)
 
 
 def hindsight_replies(config: SaoConfig) -> CorrectedReplies | None:
@@ -62,4 +71,7 @@ def hindsight_replies(config: SaoConfig) -> CorrectedReplies | None:
     except UnknownEnv as err:  # the trainer never runs the env: a plugin may be installed only where samplers run
         log.warning("trainer.hindsight_reply corrected: %s; hindsight rows take the retry's own reply", err)
         return None
-    return CorrectedReplies(config, env.corrected_reply) if hasattr(env, "corrected_reply") else None
+    if not hasattr(env, "corrected_reply"):
+        return None
+    return CorrectedReplies(config, env.corrected_reply,
+                            getattr(env, "first_try_reward", lambda config, reward, attempt: reward))

@@ -36,14 +36,14 @@ def test_right_answer_first_try_gets_full_reward():
 
 
 def test_wrong_answers_get_feedback_then_end():
-    config = EnvConfig(max_turns=3, retry_discount=0.5)
+    config = EnvConfig(max_turns=3, retry_discount=0.5, reveal_answer=False)
     task = make_tasks(config, 1)[0]
     env, _, answer = _answer(task, config)
     wrong = str(int(answer) + 1)
     first = env.step(wrong)
     assert not first.done and first.reward == 0 and wrong in first.observation
-    assert f"answer is {answer}" not in first.observation  # the right answer is told only with reveal_answer
-    revealing, _, _ = _answer(task, config.model_copy(update={"reveal_answer": True}))
+    assert f"answer is {answer}" not in first.observation  # reward only: the right answer is not told
+    revealing, _, _ = _answer(task, config.model_copy(update={"reveal_answer": True}))  # the default
     assert f"The answer is {answer}." in revealing.step(wrong).observation
     second = env.step(answer)
     assert second.done and second.reward == pytest.approx(0.5)  # right on the second attempt

@@ -292,9 +292,13 @@ def test_retry_hindsight_teaches_the_first_turn_the_right_retry_as_a_plain_polic
     worded = replace(right_retry, steps=[replace(right_retry.steps[0], action_ids=said("3 - 5 = 2<|im_end|>")),
                                          replace(right_retry.steps[1], action_ids=said("Not 2: it is -2.<|im_end|>"))])
     assert text(plan_rows(plan_batch([worded], baseline, cfg, 0, reply), 0)[2].action_ids) == "3 - 5 = -2<|im_end|>"
+    # Judged as a first try (0.5 earned at attempt 1 is 1.0 at attempt 0) against the first try's baseline, so
+    # retries that only copy a revealed answer, whose own advantage fades, still teach the question.
+    assert plan_batch([worded], baseline, cfg, 0, reply).advantages[0] == pytest.approx([0.0, 0.5, 1.0])
     unsaid = replace(worded, steps=[replace(worded.steps[0], action_ids=said("I cannot say.<|im_end|>")),
                                     worded.steps[1]])  # no answer to correct: the retry's reply is taught
     assert text(plan_rows(plan_batch([unsaid], baseline, cfg, 0, reply), 0)[2].action_ids) == "Not 2: it is -2.<|im_end|>"
+    assert plan_batch([unsaid], baseline, cfg, 0, reply).advantages[0] == pytest.approx([0.0, 0.5, 0.5])
     cut = replace(worded, steps=[replace(worded.steps[0], action_ids=said("To find 3 - 5, subtract 5")),
                                  worded.steps[1]])  # cut off: its last number is an operand, not its answer
     assert text(plan_rows(plan_batch([cut], baseline, cfg, 0, reply), 0)[2].action_ids) == "-2<|im_end|>"
