@@ -68,10 +68,8 @@ def _throughput(steps: list[StepRecord]) -> tuple[list[float], list[float], list
     trained_at = [record.trained_at for record in steps]
     cumulative = list(itertools.accumulate(record.batch_size for record in steps))
     elapsed = [t - trained_at[0] for t in trained_at]
-    rates = [float("nan")]
-    for i in range(1, len(trained_at)):
-        span = trained_at[i] - trained_at[i - 1]
-        rates.append((cumulative[i] - cumulative[i - 1]) / span if span > 0 else float("nan"))
+    rates = [float("nan")] + [(done - done_before) / (at - at_before) if at > at_before else float("nan")
+                              for (at_before, done_before), (at, done) in itertools.pairwise(zip(trained_at, cumulative))]
     return elapsed, cumulative, rates
 
 
@@ -131,10 +129,7 @@ def attempts_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
 
 def _heldout_figures(layout: RunDir) -> dict[str, Any]:
     """The paired held-out comparison that ends `sao run` (None each when it did not run)."""
-    try:
-        result = json.loads(layout.heldout.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        result = {}
+    result = read_status(layout.heldout)
     return {key: result.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS + KEPT_KEYS + SKILL_KEYS}
 
 
@@ -582,7 +577,7 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
               steps: list[StepRecord], max_staleness: Any) -> str:
     duration = summary.get("duration_s")
     trained = summary.get("trajectories_trained")
-    rate = trained / duration if isinstance(trained, (int, float)) and duration else None
+    rate = _ratio(trained, duration)
     staleness = finite(per_trajectory(steps, "staleness"))
     lines = [
         f"# sao run report: {run_dir.name}", "",
