@@ -119,9 +119,12 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
     if not final:
         console.print("[yellow]no policy version was published: the held-out comparison is skipped[/]")
         return
-    from sao.sampler.evaluation import compare  # torch and the model load only when a run gets here
+    from sao.sampler.evaluation import best_version, compare  # torch and the model load only when a run gets here
 
-    kept = _kept_version(run_dir)
+    try:
+        kept: int | None = best_version(run_dir.root)  # the version shadow validation kept
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or a board it cannot read
+        kept = None
 
     console.print(f"held-out evaluation: base model v0 vs final v{final} on up to {config.run.heldout_cap} "
                   "tasks never trained on (greedy; Ctrl-C skips it) ...")
@@ -173,14 +176,6 @@ def _print_skill(result: dict, final: int, kept: int | None, console: Console) -
         line += (f"; kept v{kept} {result['heldout_skill_kept']:.3f}, gain {result['heldout_skill_kept_gain']:+.3f} ± "
                  f"{result['heldout_skill_kept_gain_stderr'] or 0:.3f}")
     console.print(line + f"; format-only ceiling {result['heldout_format_ceiling']:.3f} (share of tasks without it)")
-
-
-def _kept_version(run_dir: RunDir) -> int | None:
-    """The version shadow validation kept (RUN_DIR/shadow/board.json), None without one."""
-    try:
-        return int(json.loads(run_dir.shadow_board.read_text())["best"]["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _rate(value: float | None, error: float | None, n: int) -> str:
