@@ -246,6 +246,8 @@ class EmbeddedBroker:
 
 
 def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM `proc`, SIGKILL it after `timeout` s; reaped, and forgotten if it was a detached child."""
+    _detached_children.pop(proc.pid, None)
     if proc.poll() is not None:
         return
     proc.terminate()
@@ -287,10 +289,8 @@ def start_detached(state_dir: Path, port: int, timeout: float = 20, storage: Sto
     try:
         _wait_for_process(proc, host, port, timeout, _log_hint(log_path))
     except BrokerUnavailable:
-        for child in (proc, s3):
-            if child is not None:
-                _terminate(child, 5.0)
-                _detached_children.pop(child.pid, None)
+        for child in filter(None, (proc, s3)):
+            _terminate(child, 5.0)
         raise
     state: BrokerState = {"pid": proc.pid, "port": port, "bootstrap": f"{host}:{port}", "log_path": str(log_path),
                           "already_running": False, "storage": storage, "cluster_id": cluster_id,
@@ -325,7 +325,6 @@ def _start_local_s3(state_dir: Path, timeout: float) -> tuple[subprocess.Popen[b
     while not _port_open("127.0.0.1", port):
         if proc.poll() is not None or time.monotonic() > deadline:
             _terminate(proc, 5.0)
-            _detached_children.pop(proc.pid, None)
             raise BrokerUnavailable(f"The local S3 server (localbucket) did not start on port {port}; see {log_path}.")
         time.sleep(0.05)
     return proc, f"http://127.0.0.1:{port}"
