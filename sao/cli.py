@@ -8,14 +8,13 @@ Flags win over `--set`, which wins over env vars and the TOML file.
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -23,11 +22,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import typer
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Column, Table
 
-from sao.config import ConfigError, SaoConfig, load_config, to_described_toml, toml_value
+from sao.cli_options import ConfigOpt, SetOpt, config_or_exit, console, setup_logging
+from sao.config import ConfigError, SaoConfig, to_described_toml
 from sao.offline.compression_cli import compression_app
 from sao.run_dir import RunDir
 
@@ -41,10 +40,7 @@ config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is
 app.add_typer(broker_app, name="broker")
 app.add_typer(config_app, name="config")
 app.add_typer(compression_app, name="compression")
-console = Console(stderr=True)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any knob: section.knob=value.")]
 BootstrapOpt = Annotated[str | None, typer.Option(help="Kafka bootstrap servers (default: broker.bootstrap_servers).")]
 RunDirOpt = Annotated[Path | None, typer.Option(help="Run directory (logs, weights, checkpoints, summary).")]
 MetricsPortOpt = Annotated[int | None, typer.Option(min=0, max=65535,
@@ -53,26 +49,6 @@ RunConfigOpt = Annotated[Path | None, typer.Option("--config", "-c",
                                                   help="The run's TOML config (default: RUN_DIR/config.toml).")]
 PolicyRunDirOpt = Annotated[Path | None, typer.Option(
     help="Run directory whose policy/ holds the versions; default: the newest under runs/.")]
-
-
-def _setup_logging(level: str = "INFO") -> None:
-    handler: logging.Handler = RichHandler(console=console, show_path=False) if sys.stderr.isatty() else logging.StreamHandler()
-    if not isinstance(handler, RichHandler):
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-    for noisy in ("httpx", "sentence_transformers", "transformers", "DeepSpeed", "deepspeed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _config(path: Path | None, sets: list[str] | None, **flags: Any) -> SaoConfig:
-    """Effective config: file < env < --set < dedicated flags (those not None)."""
-    overrides = list(sets or [])
-    overrides += [f"{key}={toml_value(value)}" for key, value in flags.items() if value is not None]
-    try:
-        return load_config(path, overrides)
-    except ConfigError as err:
-        console.print(f"[red]config error:[/] {err}")
-        raise typer.Exit(2) from err
 
 
 def _check_env(cfg: SaoConfig) -> None:
@@ -143,10 +119,10 @@ def _run_dir(flag: Path | None, check: bool = True) -> Path:
 
 
 def _run_config(run_dir: Path, path: Path | None, sets: list[str] | None) -> SaoConfig:
-    """`_config` over the run's own config.toml (its env, model and settings) unless --config names another."""
+    """`config_or_exit` over the run's own config.toml (its env, model and settings) unless --config names another."""
     if path is None and RunDir(run_dir).config.is_file():
         path = RunDir(run_dir).config
-    return _config(path, sets)
+    return config_or_exit(path, sets)
 
 
 @contextmanager
@@ -186,11 +162,12 @@ def run(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None
         env: Annotated[str | None, typer.Option(help="env.name: a built-in or package.module:Class")] = None,
         bootstrap_servers: BootstrapOpt = None, metrics_port: MetricsPortOpt = None) -> None:
     """Run the whole loop: broker (embedded unless given), feeder, samplers, trainer; print a summary."""
-    _setup_logging()
-    cfg = _config(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None, "run.num_tasks": num_tasks,
-                                   "run.max_minutes": minutes, "sampler.num_samplers": samplers, "policy.model": model,
-                                   "env.name": env, "broker.bootstrap_servers": bootstrap_servers,
-                                   "metrics.launcher_port": metrics_port})
+    setup_logging()
+    cfg = config_or_exit(config, set_, **{"run.run_dir": str(run_dir) if run_dir else None,
+                                          "run.num_tasks": num_tasks, "run.max_minutes": minutes,
+                                          "sampler.num_samplers": samplers, "policy.model": model, "env.name": env,
+                                          "broker.bootstrap_servers": bootstrap_servers,
+                                          "metrics.launcher_port": metrics_port})
     _check_env(cfg)
     if cfg.broker.bootstrap_servers:
         _bootstrap(cfg, None)
@@ -217,8 +194,8 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
             max_tasks: Annotated[int | None, typer.Option(min=1, help="Exit after this many tasks.")] = None,
             metrics_port: MetricsPortOpt = None) -> None:
     """Consume tasks, roll out one trajectory each, compress, produce; reload new policies."""
-    _setup_logging()
-    cfg = _config(config, set_, **{"metrics.sampler_port": metrics_port})
+    setup_logging()
+    cfg = config_or_exit(config, set_, **{"metrics.sampler_port": metrics_port})
     _pin(cfg.sampler.cpu_affinity)
     _serve_metrics(cfg, cfg.metrics.sampler_port, "sampler")
     status = RunDir(run_dir).status(sampler_id) if run_dir else None
@@ -254,8 +231,8 @@ def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
                 min=1, help="Exit after this many trajectories are handled.")] = None,
             metrics_port: MetricsPortOpt = None) -> None:
     """Consume trajectories and train the policy with DeepSpeed ZeRO-3; publish versions."""
-    _setup_logging()
-    cfg = _config(config, set_, **{"metrics.trainer_port": metrics_port})
+    setup_logging()
+    cfg = config_or_exit(config, set_, **{"metrics.trainer_port": metrics_port})
     _pin(cfg.trainer.cpu_affinity)
     # Rank 0 consumes, and records the all-reduced step figures: it alone speaks for the trainer.
     if int(os.environ.get("RANK", "0")) == 0:
@@ -272,8 +249,8 @@ def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Boots
          num_tasks: Annotated[int | None, typer.Option(help="run.num_tasks")] = None,
          start_index: Annotated[int, typer.Option(min=0, help="First position of the train split.")] = 0) -> None:
     """Send tasks to the tasks topic."""
-    _setup_logging()
-    cfg = _config(config, set_, **{"run.num_tasks": num_tasks})
+    setup_logging()
+    cfg = config_or_exit(config, set_, **{"run.num_tasks": num_tasks})
     _check_env(cfg)
     bootstrap = _bootstrap(cfg, bootstrap_servers)
     from sao.feeder import feed_tasks
@@ -286,7 +263,7 @@ def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Boots
 @app.command()
 def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None) -> None:
     """Create sao's topics (idempotent) with the configured partition counts."""
-    cfg = _config(config, set_)
+    cfg = config_or_exit(config, set_)
     from sao.transport.topics import ensure_topics, topic_partitions
 
     wanted = topic_partitions(cfg)
@@ -351,7 +328,7 @@ def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | polic
             config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: BootstrapOpt = None,
             limit: Annotated[int, typer.Option(min=1, help="Rows to show at most.")] = 20) -> None:
     """Show what a topic holds, decoded, as a table."""
-    cfg = _config(config, set_)
+    cfg = config_or_exit(config, set_)
     from sao.inspection import inspect_topic
 
     if what not in ("trajectories", "dlq", "policy"):
@@ -379,7 +356,7 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
     them (`sao run` stops its embedded broker at the end: audit runs on an external one).
     """
     run_dir = _run_dir(run_dir)
-    cfg = _config(config, set_)
+    cfg = config_or_exit(config, set_)
     from sao.audit import audit as audit_run
     from sao.audit import report_table, write_json
 
@@ -406,7 +383,7 @@ def eval_(config: RunConfigOpt = None, set_: SetOpt = None, run_dir: PolicyRunDi
                    "report the paired first-try gain; writes RUN_DIR/eval/heldout.json.")] = None,
           ) -> None:
     """Score one policy version on distinct held-out tasks (the env's eval split); writes RUN_DIR/eval/vN.json."""
-    _setup_logging()
+    setup_logging()
     run_dir = _run_dir(run_dir)
     cfg = _run_config(run_dir, config, set_)
     _check_env(cfg)
@@ -443,7 +420,7 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
                help="Write each rebuilt version here; with --set, instead of checking it.")] = None) -> None:
     """Rebuild every published version from the base weights and the run's trajectory log, no broker; each is
     checked against the run's state_sha256, and the first difference ends it (exit 1) naming step and tensor."""
-    _setup_logging()
+    setup_logging()
     from sao.trainer.archive import ArchiveError, TrajectoryLog
     from sao.trainer.replay import CannotReplay, ReplayMismatch
     from sao.trainer.replay import replay as replay_run
@@ -485,7 +462,7 @@ def export(out: Annotated[Path, typer.Option(help="Folder to write (new or empty
            config: RunConfigOpt = None, set_: SetOpt = None) -> None:
     """Write a published version as a plain Hugging Face model folder: deltas applied, LoRA adapters merged,
     tokenizer included; the memory projector beside it (sao-memory.safetensors)."""
-    _setup_logging()
+    setup_logging()
     run_dir = _run_dir(run_dir)
     cfg = _run_config(run_dir, config, set_)
     from sao.policy.export import export_version
@@ -519,9 +496,9 @@ def shadow(config: ConfigOpt = None, set_: SetOpt = None,
            run_dir: Annotated[Path | None, typer.Option(
                help="The trainer's run directory; default: the newest under runs/.")] = None) -> None:
     """Score the policy versions the trainer asks for on the validation slice (the trainer starts it)."""
-    _setup_logging()
+    setup_logging()
     run_dir = _run_dir(run_dir, check=False)  # the trainer starts it before its run folder may hold anything
-    cfg = _config(config, set_)
+    cfg = config_or_exit(config, set_)
     from sao.sampler.shadow import serve
 
     serve(cfg, run_dir)
@@ -573,7 +550,7 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None,
     settings the env fills in."""
     from sao.envs.registry import UnknownEnv, generation_settings
 
-    cfg = _config(config, set_)
+    cfg = config_or_exit(config, set_)
     typer.echo(to_described_toml(cfg, describe))
     try:
         settings = generation_settings(cfg)

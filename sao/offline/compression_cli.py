@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.table import Column, Table
 
-from sao.config import ConfigError, SaoConfig, load_config
+from sao.cli_options import ConfigOpt, SetOpt, config_or_exit, console, setup_logging
+from sao.config import SaoConfig
 
 if TYPE_CHECKING:  # imported where used: `sao` loads this module for every command, and episodes pulls torch
     from sao.offline.episodes import Episode
@@ -25,11 +25,15 @@ if TYPE_CHECKING:  # imported where used: `sao` loads this module for every comm
 compression_app = typer.Typer(help="The context compressor: record episodes, train the temporal filter, fit the memory "
                               "basis, align the projector, inspect.",
                               no_args_is_help=True)
-console = Console(stderr=True)
 logger = logging.getLogger(__name__)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any knob: section.knob=value.")]
+
+@compression_app.callback()
+def _setup_logging() -> None:
+    """Log like every `sao` command (each subcommand runs after this)."""
+    setup_logging()
+
+
 InputOpt = Annotated[Path | None, typer.Option(
     "--input", help="Recorded episodes: JSONL, or length-prefixed trajectory messages.")]
 BootstrapOpt = Annotated[str | None, typer.Option(help="Read trajectories from this Kafka instead of a file.")]
@@ -44,19 +48,6 @@ WeightsOpt = Annotated[Path | None, typer.Option(help="Filter weights (default: 
 ThresholdOpt = Annotated[float | None, typer.Option(
     help="Keep threshold (default: compression.keep_threshold, else the weights').")]
 OutOpt = Annotated[Path, typer.Option(help="Weights file to write (.safetensors; a .json sidecar goes beside it).")]
-
-
-def _setup(config: Path | None, sets: list[str] | None) -> SaoConfig:
-    if not logging.getLogger().handlers:
-        handler = RichHandler(console=console, show_path=False)
-        logging.basicConfig(level="INFO", format="%(message)s", handlers=[handler])
-    for noisy in ("httpx", "sentence_transformers", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        return load_config(config, sets)
-    except ConfigError as err:
-        console.print(f"[red]config error:[/] {err}")
-        raise typer.Exit(2) from err
 
 
 def scripted_episodes(cfg: SaoConfig, env_name: str, count: int, agent: str, noise: float, seed: int,
@@ -119,7 +110,7 @@ def record(out: Annotated[Path, typer.Option(help="Where to write the episodes (
     """Record episodes of the scripted agents to a JSONL file (world shape: --set env.options.size=12 …)."""
     from sao.offline.episodes import write_episodes
 
-    cfg = _setup(config, set_)
+    cfg = config_or_exit(config, set_)
     recorded = scripted_episodes(cfg, env, episodes, agent, noise, seed, start_index)
     write_episodes(out, recorded)
     steps = [len(e) for e in recorded]
@@ -144,7 +135,7 @@ def train(out: OutOpt, input_path: InputOpt = None, bootstrap_servers: Bootstrap
     from sao.compression.temporal import save_temporal_weights
     from sao.compression.train import train_from_texts
 
-    cfg = _setup(config, set_)
+    cfg = config_or_exit(config, set_)
     torch.set_num_threads(threads)
     loaded = _load_episodes(cfg, input_path, bootstrap_servers, from_env, episodes, agent, noise, seed, max_messages)
     if len(loaded) < 2:
@@ -193,7 +184,7 @@ def bottleneck(width: Annotated[int, typer.Option(min=1, help="Directions kept: 
     from sao.compression.temporal import load_temporal_filter
     from sao.offline.memory_basis import fit_memory_basis
 
-    cfg = _setup(config, set_)
+    cfg = config_or_exit(config, set_)
     torch.set_num_threads(1)  # one thread: the embeddings, and so the basis, come out the same bytes every run
     sentence_encoder = load_encoder(cfg.compression.encoder)
     if not 1 <= width <= sentence_encoder.dim:
@@ -241,7 +232,7 @@ def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
     from sao.compression.semantic import load_encoder
     from sao.compression.temporal import load_temporal_filter
 
-    cfg = _setup(config, set_)
+    cfg = config_or_exit(config, set_)
     torch.set_num_threads(1)
     if from_env:
         loaded = scripted_episodes(cfg, from_env, 1, agent, noise, seed, start_index=index)
@@ -335,7 +326,7 @@ def align(out: Annotated[Path | None, typer.Option(
     from sao.policy.projector import save_projector, shipped_projector_path
     from sao.policy.weights import build_policy
 
-    cfg = _setup(config, set_)
+    cfg = config_or_exit(config, set_)
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     started = time.perf_counter()
