@@ -4,6 +4,7 @@ call on a thread of its own, and when this process started."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 from collections.abc import Callable
@@ -33,6 +34,7 @@ def in_background(function: Callable, *args) -> Future:
         pool.shutdown(wait=False)  # the thread ends with its call
 
 
+@functools.cache  # it never changes, and progress files ask at every write
 def process_started_at() -> float:
     """Unix time this process started (imports included)."""
     import psutil  # a DeepSpeed dependency, so always installed with the trainer

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from sao.processes import process_started_at
+
 
 def write_status(path: Path, fields: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,29 +35,13 @@ def own_cpu_seconds() -> float:
 
 def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of another live process (the embedded broker); None if it cannot be read."""
-    try:
-        import psutil
-    except ImportError:  # psutil comes with DeepSpeed; /proc is the fallback on Linux
-        return _proc_cpu_seconds(pid)
+    import psutil  # a DeepSpeed dependency, so always installed
+
     try:
         times = psutil.Process(pid).cpu_times()
     except psutil.Error:
         return None
     return times.user + times.system
-
-
-def _proc_cpu_seconds(pid: int) -> float | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces; utime and stime are fields 14 and 15.
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-_IMPORTED_AT = time.time()  # the fallback start time when the process's own cannot be read
-_started_at: float | None = None
 
 
 def process_usage() -> dict[str, float]:
@@ -65,16 +51,8 @@ def process_usage() -> dict[str, float]:
     `sao run` divides each role's CPU seconds by the run's wall time to say how many cores it
     kept busy (sao/report.py).
     """
-    global _started_at
-    if _started_at is None:
-        try:
-            import psutil
-
-            _started_at = psutil.Process().create_time()
-        except (ImportError, OSError):
-            _started_at = _IMPORTED_AT
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"cpu_s": own_cpu_seconds(), "wall_s": time.time() - _started_at, "peak_rss_mb": peak_kib / 1024}
+    return {"cpu_s": own_cpu_seconds(), "wall_s": time.time() - process_started_at(), "peak_rss_mb": peak_kib / 1024}
 
 
 def read_status(path: Path) -> dict[str, Any]:
