@@ -31,9 +31,9 @@ from rich.text import Text
 from sao.config import SaoConfig
 from sao.dead_letters import NO_REASON
 from sao.run_dir import RunDir
-from sao.schema import SchemaError, Task, Trajectory, decode
+from sao.schema import Task, Trajectory
 from sao.status import TrainerProgress, read_status
-from sao.transport.dlq import describe_dlq_message
+from sao.transport.dlq import describe_dlq_message, trajectory_id_of
 from sao.transport.health import cluster_id_of
 from sao.transport.kafka import iter_all
 
@@ -98,7 +98,7 @@ def scan_topics(config: SaoConfig, bootstrap: str, timeout: float, quiet_period:
     topics, scan = config.topics, TopicScan()
     for topic, kind, counts in ((topics.tasks, Task, scan.fed), (topics.trajectories, Trajectory, scan.produced)):
         for msg in iter_all(bootstrap, topic, timeout, quiet_period):
-            tid = _trajectory_id(msg.value(), kind)
+            tid = trajectory_id_of(msg.value(), kind)
             if tid is None:
                 scan.undecodable.setdefault(topic, set()).add((msg.partition(), msg.offset()))
             else:
@@ -107,7 +107,7 @@ def scan_topics(config: SaoConfig, bootstrap: str, timeout: float, quiet_period:
     for msg in iter_all(bootstrap, topics.dlq, timeout, quiet_period):
         letter = describe_dlq_message(msg)
         reason, source = letter["reason"] or NO_REASON, letter["source_topic"]
-        tid = _trajectory_id(msg.value(), kinds[source]) if source in kinds else None
+        tid = trajectory_id_of(msg.value(), kinds[source]) if source in kinds else None
         if tid is not None:
             scan.dead_lettered.setdefault(tid, reason)
         elif source is not None and letter["source_partition"] is not None and letter["source_offset"] is not None:
@@ -267,15 +267,6 @@ def _ids(ids) -> Text:
     shown = sorted(ids)[:SHOWN_IDS]
     more = f" ... and {len(ids) - SHOWN_IDS} more" if len(ids) > SHOWN_IDS else ""
     return Text(", ".join(shown) + more)  # Text: ids are shown literally, never as rich markup
-
-
-def _trajectory_id(value: bytes | None, kind: type[Task] | type[Trajectory]) -> str | None:
-    try:
-        message = decode(value, kind)
-    except SchemaError:
-        return None
-    return message.trajectory_id if isinstance(message, Trajectory) else Trajectory.make_id(message.task_id,
-                                                                                             message.copy)
 
 
 def _latest_checkpoint_state(run_dir: RunDir) -> dict[str, Any] | None:

@@ -181,15 +181,17 @@ class DeadLetteredTasks:
         where = (letter["source_partition"], letter["source_offset"])
         if letter["source_topic"] != self.tasks_topic or None in where or where in self.letters:
             return  # not a task (a trajectory the trainer dead-lettered counts there), not saying where from, or counted
-        self.letters[where] = (_task_trajectory_id(msg.value()), letter["reason"] or NO_REASON)
+        self.letters[where] = (trajectory_id_of(msg.value()), letter["reason"] or NO_REASON)
 
 
-def _task_trajectory_id(value: bytes | None) -> str | None:
+def trajectory_id_of(value: bytes | None, kind: type[Task] | type[Trajectory] = Task) -> str | None:
+    """The trajectory id a task copy's or a trajectory's message stands for; None when it does not decode."""
     try:
-        task = decode(value, Task)
+        message = decode(value, kind)
     except SchemaError:
         return None
-    return Trajectory.make_id(task.task_id, task.copy)
+    return message.trajectory_id if isinstance(message, Trajectory) else Trajectory.make_id(message.task_id,
+                                                                                             message.copy)
 
 
 def _int_or_none(text: str | None) -> int | None:
