@@ -22,11 +22,11 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML con
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any knob: section.knob=value.")]
 
 
-def setup_logging(level: str = "INFO") -> None:
+def setup_logging() -> None:
     handler: logging.Handler = RichHandler(console=console, show_path=False) if sys.stderr.isatty() else logging.StreamHandler()
     if not isinstance(handler, RichHandler):
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.basicConfig(level="INFO", handlers=[handler], force=True)
     for noisy in ("httpx", "sentence_transformers", "transformers", "DeepSpeed", "deepspeed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

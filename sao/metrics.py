@@ -187,9 +187,9 @@ def record_policy_reload(version: int, seconds: float) -> None:
     SAMPLER_RELOAD_SECONDS.observe(seconds)
 
 
-def record_delivery(topic: str, created_at: float, num_bytes: int, now: float | None = None) -> None:
+def record_delivery(topic: str, created_at: float, num_bytes: int) -> None:
     """A message created (by its producer) at `created_at` was consumed from `topic` now."""
-    latency = (now or time.time()) - created_at
+    latency = time.time() - created_at
     delivery_seconds, consumed, consumed_bytes = _delivery_series(topic)
     if math.isfinite(latency):  # a sender's NaN or infinite created_at would poison the histogram's sum for good
         delivery_seconds.observe(max(0.0, latency))

@@ -94,21 +94,16 @@ def unpack_array(obj: Any, field_name: str, dtype: type, ndim: int) -> np.ndarra
     return np.frombuffer(data, dtype=expected, count=count).reshape(shape)
 
 
-def _get(obj: dict, name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+def _get(obj: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     value = obj.get(name, _MISSING)
     # msgpack yields exact builtin types, so an exact match settles it (and excludes bool from int).
     if type(value) is kind or (type(kind) is tuple and type(value) in kind):
         return value
-    _require(value is not _MISSING, where + name, "missing")
-    # bool is an int subclass; a boolean where a number belongs is a sender bug.
-    ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
-    if not ok:
-        _fail(where + name, f"expected {kind}, got {type(value).__name__}")
+    _require(value is not _MISSING, name, "missing")
+    # bool is an int subclass; a boolean where a number belongs is a sender bug (one where a bool belongs matched).
+    if not isinstance(value, kind) or isinstance(value, bool):
+        _fail(name, f"expected {kind}, got {type(value).__name__}")
     return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
 
 
 @dataclass(frozen=True)
