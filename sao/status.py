@@ -20,11 +20,16 @@ from typing import Any
 from sao.processes import process_started_at
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` beside `path`, then rename it there: a reader sees the old file or the new, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_status(path: Path, fields: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**fields, "updated_at": time.time()}, indent=1, default=float))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({**fields, "updated_at": time.time()}, indent=1, default=float))
 
 
 def own_cpu_seconds() -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sao.policy.weights import sha256_file
+from sao.status import write_atomically
 from sao.trainer.distributed import rank, world_size
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,8 @@ def save_checkpoint(engine, directory: Path, state: TrainerState) -> Path:
     _barrier()  # every rank's shards are on disk before rank 0 hashes them
     if leader:
         files = {name: sha256_file(path) for name, path in _files_of(tag_dir).items()}
-        _write_atomically(tag_dir / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
-        _write_atomically(directory / _LATEST_FILE, tag)  # only now does this checkpoint count
+        write_atomically(tag_dir / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
+        write_atomically(directory / _LATEST_FILE, tag)  # only now does this checkpoint count
     _barrier()
     return tag_dir
 
@@ -99,7 +99,7 @@ def update_checkpoint_state(directory: Path, state: TrainerState) -> None:
                            "the checkpoint of the current step may be rewritten")
     # The hashes are copied, not recomputed: a resume still checks the files against them.
     files = json.loads((directory / tag / _STATE_FILE).read_text())["files"]
-    _write_atomically(directory / tag / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
+    write_atomically(directory / tag / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
 
 
 def has_checkpoint(directory: Path) -> bool:
@@ -183,12 +183,6 @@ def _files_of(tag_dir: Path) -> dict[str, Path]:
     return {path.relative_to(tag_dir).as_posix(): path for path in tag_dir.rglob("*")
             if not path.is_dir() or path.is_symlink()
             if path.relative_to(tag_dir).as_posix() != _STATE_FILE}
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def rng_state(replay_rng: random.Random) -> dict:

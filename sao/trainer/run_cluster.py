@@ -9,9 +9,9 @@ with or without a checkpoint, instead of waiting on topics that will never hold 
 from __future__ import annotations
 
 import logging
-import os
 
 from sao.run_dir import RunDir
+from sao.status import write_atomically
 from sao.transport.health import BrokerWatch
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,7 @@ def bind_run_to_cluster(run_dir: RunDir, watch: BrokerWatch, resume: bool) -> No
     if current is None or current == recorded:
         return  # not answering yet: the checkpoint's cluster still guards a resume
     run_dir.root.mkdir(parents=True, exist_ok=True)
-    draft = run_dir.cluster_id.with_name(f".{run_dir.cluster_id.name}.{os.getpid()}")
-    draft.write_text(current + "\n")
-    os.replace(draft, run_dir.cluster_id)
+    write_atomically(run_dir.cluster_id, current + "\n")
     if recorded:
         log.warning("run directory %s was started on Kafka cluster %r; a fresh start binds it to %r", run_dir.root,
                     recorded, current)
