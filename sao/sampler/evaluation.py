@@ -31,7 +31,7 @@ from sao.sampler.rollout import Roller
 from sao.sampler.skills import skill_figures, tag_tasks
 from sao.schema import Task
 from sao.stats import mean, paired_gain, stderr
-from sao.status import attempt_success
+from sao.status import attempt_success, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +233,7 @@ def _store_base(path: Path | None, scores: TaskScores) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps({"scores": scores}))
-    partial.replace(path)  # a reader never sees half a file
+    write_atomically(path, json.dumps({"scores": scores}))
 
 
 def base_model_scores(scorer: Scorer, tasks: list[Task]) -> tuple[TaskScores, bool]:
