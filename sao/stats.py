@@ -9,6 +9,8 @@ import math
 import statistics
 from typing import Any
 
+import numpy as np
+
 
 def finite(values: list[Any]) -> list[float]:
     """The finite numbers among `values` (NaN, inf, None and non-numbers are left out)."""
@@ -37,13 +39,8 @@ def pooled_variance(groups: list[list[float]]) -> float | None:
 
 def percentile(values: list[Any], q: float) -> float | None:
     """The q-th percentile (0..100) of the finite values, interpolated linearly; None when there are none."""
-    kept = sorted(finite(values))
-    if not kept:
-        return None
-    position = (len(kept) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(kept) - 1)
-    return kept[low] + (kept[high] - kept[low]) * (position - low)
+    kept = finite(values)
+    return float(np.percentile(kept, q)) if kept else None
 
 
 def paired_gain(base: list[float], final: list[float]) -> tuple[float | None, float | None]:
