@@ -8,8 +8,8 @@ two classmethods, `from_config(config: EnvConfig)` to build an instance in a sam
 
 from __future__ import annotations
 
-import importlib
 import logging
+import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,13 +38,11 @@ def env_class(name: str) -> type:
                          "and not of the form package.module:Class")
     module_name, class_name = target.split(":")
     try:
-        module = importlib.import_module(module_name)
+        return pkgutil.resolve_name(target)
     except ImportError as err:
         raise UnknownEnv(f"env.name {name!r}: cannot import {module_name} ({err})") from err
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise UnknownEnv(f"env.name {name!r}: {module_name} has no {class_name}")
-    return cls
+    except AttributeError as err:
+        raise UnknownEnv(f"env.name {name!r}: {module_name} has no {class_name}") from err
 
 
 def check_env_config(config: EnvConfig) -> None:
