@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Literal, TypedDict
 
+import psutil
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
@@ -398,23 +399,12 @@ def _is_running(pid: int, name: str) -> bool:
     if child is not None:
         return child.poll() is None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        process = psutil.Process(pid)
+        return any(name in arg for arg in process.cmdline()) and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # a zombie's cmdline raises its subclass ZombieProcess
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True  # alive, owned by someone else; the kill will say so
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    if not cmdline.exists():
-        return True  # no /proc (macOS): trust the recorded pid
-    return name.encode() in cmdline.read_bytes() and not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    try:
-        return any(line.startswith("State:\tZ") for line in status.read_text().splitlines())
-    except OSError:
-        return False
 
 
 def _wait_for_exit(pid: int, name: str, timeout: float) -> bool:
