@@ -217,7 +217,6 @@ class Sampler:
                 task = self._decode_task(msg)
             except SchemaError as err:
                 self._dead_letter(msg, err.reason, str(err))
-                self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
                 continue
             record_delivery(msg.topic(), task.created_at, len(msg.value()))
             tasks.append((task, msg))
@@ -250,7 +249,6 @@ class Sampler:
                 self._dead_letter(msg, DeadLetterReason.VERSION_NOT_LOADED,
                                   f"task {task.task_id}: policy v{version} {problem}; "
                                   f"{self.sampler_id} has v{self.policy_version}")
-                self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
         return self.admission.release(self.policy_version)
 
     def _await_version(self, version: int) -> str | None:
@@ -312,7 +310,6 @@ class Sampler:
             self._dead_letter(msg, DeadLetterReason.TOO_LARGE,
                               f"task {task.task_id[:100]!r}: its trajectory would be {size} bytes "
                               f"with its key, over the broker's message limit ({MAX_MESSAGE_BYTES})")
-        self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
 
     def _delivered(self, msg, trajectory: Trajectory, ack_s: float) -> None:
         """The broker acknowledged `trajectory`: its task is finished and its offset may be committed."""
@@ -321,7 +318,7 @@ class Sampler:
         self.counters["reward_sum"] += trajectory.total_reward
         self.counters["tokens"] += sum(len(s.action_ids) for s in trajectory.steps)
         self.counters["rollout_s"] += trajectory.timings["rollout_s"]
-        self.offsets.finished(msg.topic(), msg.partition(), msg.offset())
+        self.offsets.finished(*_message_key(msg))
 
     def _assigned(self, consumer, partitions: list) -> None:
         """Learn which tasks of newly assigned partitions a former owner already delivered (the
@@ -356,6 +353,7 @@ class Sampler:
             log.warning("%s could not commit task offsets: %s", self.sampler_id, err)
 
     def _dead_letter(self, msg, reason: DeadLetterReason, detail: str) -> None:
+        """Send a task message to the DLQ: its task is finished, so its offset may be committed."""
         value, key = msg.value(), msg.key()
         if len(value or b"") + len(key or b"") > MAX_MESSAGE_BYTES - _PRODUCE_HEADROOM_BYTES:
             # The producer would refuse it (and raise): keep the why and the where instead.
@@ -365,6 +363,7 @@ class Sampler:
         self.dlq.send(value, reason, source_topic=msg.topic(), partition=msg.partition(),
                       offset=msg.offset(), key=key, detail=detail)
         self.counters["dead_lettered"] += 1
+        self.offsets.finished(*_message_key(msg))
 
     def _follow_policy(self, reload_now: bool) -> None:
         """Note the newest version on offer; load it once no episode is live (`reload_now`).
