@@ -44,12 +44,9 @@ class WeightsMismatch(RuntimeError):
         self.reason = reason
 
 
-def sha256_file(path: Path | str, chunk_bytes: int = _CHUNK_BYTES) -> str:
-    digest = hashlib.sha256()
+def sha256_file(path: Path | str) -> str:
     with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def unique_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
