@@ -156,11 +156,8 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
             else:  # the retry's own reply, worded for its feedback: taught as strongly as the retry itself
                 advantages[index].append(advantages[index][retry])
     if cfg.scale_advantages:
-        flat = whiten(torch.tensor([a for rows in advantages for a in rows]), cfg.center_advantages).tolist()
-        sizes, advantages, start = [len(rows) for rows in advantages], [], 0
-        for size in sizes:
-            advantages.append(flat[start:start + size])
-            start += size
+        flat = iter(whiten(torch.tensor([a for rows in advantages for a in rows]), cfg.center_advantages).tolist())
+        advantages = [list(itertools.islice(flat, len(rows))) for rows in advantages]
     return BatchPlan(batch, advantages, [policy_version - t.behaviour_version for t in batch], returns, hindsight,
                      actions, merge_turns=not cfg.value_head)
 
