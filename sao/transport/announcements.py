@@ -32,12 +32,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
-
 from sao.config import SamplerConfig
 from sao.metrics import record_announcement_refused, record_delivery
 from sao.schema import PolicyAnnouncement, SchemaError, decode, encode
-from sao.transport.kafka import DEFAULT_FETCH_WAIT_MS, deliver_and_wait, make_consumer
+from sao.transport.kafka import DEFAULT_FETCH_WAIT_MS, assign_from_start, deliver_and_wait, make_consumer
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +116,7 @@ class PolicyFollower:
                  key: Callable[[], bytes | None] | None = None, fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS):
         self.consumer = make_consumer(bootstrap, f"sao-policy-follower-{uuid.uuid4().hex[:8]}",
                                       fetch_wait_ms=fetch_wait_ms)
-        metadata = self.consumer.list_topics(topic, timeout=10).topics.get(topic)
-        partitions = sorted(metadata.partitions) if metadata is not None and metadata.error is None else [0]
-        self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        assign_from_start(self.consumer, topic, 10, if_unknown=(0,))
         self.max_version_jump = max_version_jump
         self.newest_read: int | None = None  # newest plausible version read: the base of the jump rule
         self.messages_read = 0

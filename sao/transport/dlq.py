@@ -15,12 +15,12 @@ from collections import Counter
 from collections.abc import Container
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
 from sao.dead_letters import NO_REASON, DeadLetterReason
 from sao.metrics import DLQ_MESSAGES
 from sao.schema import SchemaError, Task, Trajectory, decode
-from sao.transport.kafka import make_consumer
+from sao.transport.kafka import assign_from_start, make_consumer
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +165,14 @@ class DeadLetteredTasks:
         # long fetch wait set here keeps the idle consumer's fetches rare.
         consumer = make_consumer(self.bootstrap, f"sao-dlq-count-{uuid.uuid4().hex[:12]}", **{"fetch.wait.max.ms": 500})
         try:
-            metadata = consumer.list_topics(self.dlq_topic, timeout=5).topics.get(self.dlq_topic)
+            partitions = assign_from_start(consumer, self.dlq_topic, 5)
         except KafkaException as err:
-            metadata = None
+            partitions = []
             log.warning("could not read the partitions of dead-letter topic %s (%s); trying again later",
                         self.dlq_topic, err)
-        if metadata is None or metadata.error is not None or not metadata.partitions:
+        if not partitions:
             consumer.close()
             return None
-        consumer.assign([TopicPartition(self.dlq_topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)])
         return consumer
 
     def _note(self, msg: Message) -> None:

@@ -293,19 +293,19 @@ def iter_all(bootstrap: str, topic: str, timeout: float = 5.0, quiet_period: flo
     # lists the bucket on each fetch) often returned nothing for longer than any quiet period.
     consumer = make_consumer(bootstrap, group_id, **{"fetch.wait.max.ms": _READ_ALL_FETCH_WAIT_MS})
     try:
-        partitions = _partitions(consumer, topic, timeout)
-        if partitions:
-            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        if assign_from_start(consumer, topic, timeout):
             yield from _drain(consumer, timeout, quiet_period)
     finally:
         consumer.close()
 
 
-def _partitions(consumer: Consumer, topic: str, timeout: float) -> list[int]:
+def assign_from_start(consumer: Consumer, topic: str, timeout: float, if_unknown: tuple[int, ...] = ()) -> list[int]:
+    """Assign `consumer` every partition of `topic` from its first offset (assign joins no group); the partitions,
+    `if_unknown` where the broker does not know the topic."""
     metadata = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
-    if metadata is None or metadata.error is not None:
-        return []
-    return sorted(metadata.partitions)
+    partitions = sorted(metadata.partitions) if metadata is not None and metadata.error is None else list(if_unknown)
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    return partitions
 
 
 def _drain(consumer: Consumer, timeout: float, quiet_period: float) -> Iterator[Message]:
