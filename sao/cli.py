@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Column, Table
 
-from sao.cli_options import ConfigOpt, SetOpt, config_or_exit, console, setup_logging
+from sao.cli_options import ConfigOpt, SetOpt, config_or_exit, console, fail, setup_logging
 from sao.config import ConfigError, SaoConfig, to_described_toml
 from sao.offline.compression_cli import compression_app
 from sao.run_dir import RunDir
@@ -58,8 +58,7 @@ def _check_env(cfg: SaoConfig) -> None:
     try:
         check_env_config(cfg.env)
     except (ConfigError, UnknownEnv) as err:
-        console.print(f"[red]config error:[/] {escape(str(err))}", soft_wrap=True)
-        raise typer.Exit(2) from err
+        fail(f"[red]config error:[/] {escape(str(err))}")
 
 
 def _pin(cpus: list[int] | None) -> None:
@@ -83,18 +82,16 @@ def _bootstrap(config: SaoConfig, flag: str | None) -> str:
     """The broker address to use, once a broker answers there within broker.connect_timeout_s; else exit 2."""
     bootstrap = flag or config.broker.bootstrap_servers
     if not bootstrap:
-        console.print("[red]no broker:[/] pass --bootstrap-servers or set broker.bootstrap_servers "
-                      "(or start one with `sao broker start`)")
-        raise typer.Exit(2)
+        fail("[red]no broker:[/] pass --bootstrap-servers or set broker.bootstrap_servers "
+             "(or start one with `sao broker start`)")
     from sao.transport.broker import BrokerUnavailable, wait_until_ready
 
     try:
         wait_until_ready(bootstrap, config.broker.connect_timeout_s)
-    except BrokerUnavailable as err:
-        console.print(f"[red]no broker answers at {escape(bootstrap)}[/] within broker.connect_timeout_s = "
-                      f"{config.broker.connect_timeout_s:g} s: start one (`sao broker start`) or pass the right "
-                      "address (--bootstrap-servers or broker.bootstrap_servers)", soft_wrap=True)
-        raise typer.Exit(2) from err
+    except BrokerUnavailable:
+        fail(f"[red]no broker answers at {escape(bootstrap)}[/] within broker.connect_timeout_s = "
+             f"{config.broker.connect_timeout_s:g} s: start one (`sao broker start`) or pass the right "
+             "address (--bootstrap-servers or broker.bootstrap_servers)")
     return bootstrap
 
 
@@ -105,16 +102,14 @@ def _run_dir(flag: Path | None, check: bool = True) -> Path:
     if flag is None:
         newest = newest_run()
         if newest is None:
-            console.print(f"[red]no run under {RUNS}/:[/] pass --run-dir (a folder `sao run` or `sao trainer` wrote)")
-            raise typer.Exit(2)
+            fail(f"[red]no run under {RUNS}/:[/] pass --run-dir (a folder `sao run` or `sao trainer` wrote)")
         console.print(f"run directory: {escape(str(newest.root))} (the newest under {RUNS}/; --run-dir picks another)",
                       soft_wrap=True)
         return newest.root
     if check and not RunDir(flag).holds_run():
         why = "it does not exist" if not flag.exists() else "no config.toml, status/, trained.jsonl or policy/ in it"
-        console.print(f"[red]--run-dir {escape(str(flag))} holds no run[/] ({why}): pass a folder `sao run` or "
-                      "`sao trainer` wrote", soft_wrap=True)
-        raise typer.Exit(2)
+        fail(f"[red]--run-dir {escape(str(flag))} holds no run[/] ({why}): pass a folder `sao run` or "
+             "`sao trainer` wrote")
     return flag
 
 
@@ -136,8 +131,7 @@ def _exit_when_broker_fails(bootstrap: str) -> Iterator[None]:
     try:
         yield
     except (KafkaException, TasksNotAcknowledged, TopicSetupError) as err:
-        console.print(f"[red]the broker at {escape(bootstrap)} failed:[/] {escape(str(err))}", soft_wrap=True)
-        raise typer.Exit(3) from err
+        fail(f"[red]the broker at {escape(bootstrap)} failed:[/] {escape(str(err))}", 3)
 
 
 @contextmanager
@@ -148,8 +142,7 @@ def _exit_when_broker_gone() -> Iterator[None]:
     try:
         yield
     except BrokerGone as gone:
-        console.print(f"[red]broker gone:[/] {escape(str(gone))}", soft_wrap=True)  # one line: greppable in logs
-        raise typer.Exit(gone.exit_code) from gone
+        fail(f"[red]broker gone:[/] {escape(str(gone))}", gone.exit_code)
 
 
 @app.command()
@@ -183,8 +176,7 @@ def run(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None
     try:
         run_loop(cfg, console)
     except (RunFailed, UnknownEnv, TasksNotAcknowledged, TopicSetupError, KafkaException) as err:
-        console.print(f"[red]run failed:[/] {escape(str(err))}", soft_wrap=True)
-        raise typer.Exit(1) from err
+        fail(f"[red]run failed:[/] {escape(str(err))}", 1)
 
 
 @app.command()
@@ -205,17 +197,15 @@ def sampler(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
         if cfg.sampler.announce_key_file is None and run_dir:  # the trainer's, on the machine it runs on
             cfg.sampler.announce_key_file = str(RunDir(run_dir).policy_dir / ANNOUNCE_KEY_NAME)
         if cfg.sampler.announce_key_file is None:
-            console.print("[red]no announcement key:[/] set sampler.announce_key_file to a copy of the trainer's "
-                          "RUN_DIR/policy/.announce-key (or pass the trainer's --run-dir on its machine)")
-            raise typer.Exit(2)
+            fail("[red]no announcement key:[/] set sampler.announce_key_file to a copy of the trainer's "
+                 "RUN_DIR/policy/.announce-key (or pass the trainer's --run-dir on its machine)")
     else:
         if cfg.sampler.policy_dir is None and run_dir:
             cfg.sampler.policy_dir = str(RunDir(run_dir).policy_dir)
         if cfg.sampler.policy_dir is None:  # it could never load a new version: refuse to start rather than go stale
-            console.print("[red]no policy folder:[/] pass --run-dir (its policy/ is used) or set sampler.policy_dir "
-                          "to the folder the trainer publishes weights into (a shared mount on another machine), or "
-                          "use policy.transport = 'kafka'")
-            raise typer.Exit(2)
+            fail("[red]no policy folder:[/] pass --run-dir (its policy/ is used) or set sampler.policy_dir "
+                 "to the folder the trainer publishes weights into (a shared mount on another machine), or "
+                 "use policy.transport = 'kafka'")
     bootstrap = _bootstrap(cfg, bootstrap_servers)  # before the model libraries' seconds of imports
     from sao.sampler.loop import Sampler
 
@@ -287,13 +277,11 @@ def broker_start(port: Annotated[int, typer.Option(min=1, max=65535, help="TCP p
     from sao.transport.broker import start_detached
 
     if storage not in ("memory", "s3"):
-        console.print(f"[red]unknown storage {storage!r}:[/] use memory or s3")
-        raise typer.Exit(2)
+        fail(f"[red]unknown storage {storage!r}:[/] use memory or s3")
     try:
         state = start_detached(state_dir, port, storage=storage)
     except FileNotFoundError as err:
-        console.print(f"[red]{escape(str(err))}[/]")
-        raise typer.Exit(2) from err
+        fail(f"[red]{escape(str(err))}[/]")
     console.print(f"broker running at [bold]{state['bootstrap']}[/] (pid {state['pid']}, "
                   f"{state.get('storage', 'memory')} storage); use --bootstrap-servers {state['bootstrap']}")
     if storage == "s3":  # its fetches list the bucket: a short fetch wait can starve a consumer
@@ -315,8 +303,7 @@ def broker_status_cmd(bootstrap_servers: Annotated[str, typer.Option(help="Broke
 
     status = broker_status(bootstrap_servers)
     if not status["reachable"]:
-        console.print(f"[red]no broker answers at {bootstrap_servers}[/]")
-        raise typer.Exit(1)
+        fail(f"[red]no broker answers at {bootstrap_servers}[/]", 1)
     table = Table("topic", Column("partitions", justify="right"), title=f"broker {bootstrap_servers}")
     for name, partitions in sorted(status["topics"].items()):
         table.add_row(name, str(partitions))
@@ -332,8 +319,7 @@ def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | polic
     from sao.inspection import inspect_topic
 
     if what not in ("trajectories", "dlq", "policy"):
-        console.print(f"[red]unknown topic kind {what!r}[/]: use trajectories, dlq or policy")
-        raise typer.Exit(2)
+        fail(f"[red]unknown topic kind {what!r}[/]: use trajectories, dlq or policy")
     bootstrap = _bootstrap(cfg, bootstrap_servers)
     with _exit_when_broker_fails(bootstrap):
         table = inspect_topic(cfg, bootstrap, what, limit)
@@ -367,8 +353,7 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
     if json_path is not None:
         write_json(report, json_path)
     if not report.clean:
-        console.print("[red]audit failed:[/] something was lost or trained twice (see the table)")
-        raise typer.Exit(1)
+        fail("[red]audit failed:[/] something was lost or trained twice (see the table)", 1)
 
 
 @app.command("eval")
@@ -403,8 +388,7 @@ def eval_(config: RunConfigOpt = None, set_: SetOpt = None, run_dir: PolicyRunDi
                     "heldout_second_try_n", "heldout_second_try_penalised_base", "heldout_second_try_penalised_final",
                     "heldout_reward_base", "heldout_reward_final", "base_cached", "base_seconds", "final_seconds")
     except (FileNotFoundError, ValueError, WeightsMismatch) as err:
-        console.print(f"[red]{err}[/]")
-        raise typer.Exit(2) from err
+        fail(f"[red]{err}[/]")
     table = Table(title=f"policy v{version}" + (f" vs v{baseline}" if baseline is not None else "")
                   + f" on up to {num_tasks} held-out tasks")
     for key in keys:
@@ -431,11 +415,9 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
             raise typer.Exit(_relaunch_on_ranks(ranks))
         result = replay_run(run_dir, set_, out)
     except (ConfigError, ArchiveError, CannotReplay) as err:
-        console.print(f"[red]cannot replay:[/] {escape(str(err))}", soft_wrap=True)
-        raise typer.Exit(2) from err
+        fail(f"[red]cannot replay:[/] {escape(str(err))}")
     except ReplayMismatch as err:
-        console.print(f"[red]replay mismatch:[/] {escape(str(err))}", soft_wrap=True)
-        raise typer.Exit(1) from err
+        fail(f"[red]replay mismatch:[/] {escape(str(err))}", 1)
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 says it for all
     checked = f"{result.checked} of {result.versions} versions match the run's hashes" if result.checked else \
@@ -478,8 +460,7 @@ def export(out: Annotated[Path, typer.Option(help="Folder to write (new or empty
             number = _version_number(version, "`best` or `final`")
         facts = export_version(cfg, PolicyRecipe.from_config(cfg).for_sampling("cpu"), run_dir, number, out)
     except (FileNotFoundError, FileExistsError, ValueError, WeightsMismatch) as err:
-        console.print(f"[red]{err}[/]")
-        raise typer.Exit(2) from err
+        fail(f"[red]{err}[/]")
     console.print(f"exported v{facts['version']} ({facts['dtype']}, {facts['parameters']:,} parameters"
                   f"{', LoRA merged' if facts['lora_merged'] else ''}) to {out}")
 
@@ -527,9 +508,8 @@ def bench(ctx: typer.Context,
           = None) -> None:
     """Run benchmarks/NAME.py with this interpreter, passing on every argument after NAME (try NAME --help)."""
     if not BENCHMARKS_DIR.is_dir():
-        console.print(f"[red]no benchmarks folder at {BENCHMARKS_DIR}:[/] the benchmarks ship with the repository, "
-                      "not the wheel; install sao from a clone (pip install -e .) to run them")
-        raise typer.Exit(2)
+        fail(f"[red]no benchmarks folder at {BENCHMARKS_DIR}:[/] the benchmarks ship with the repository, "
+             "not the wheel; install sao from a clone (pip install -e .) to run them")
     available = _benchmarks()
     if name is None or name not in available:
         if name is not None:

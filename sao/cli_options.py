@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -20,6 +20,12 @@ console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any knob: section.knob=value.")]
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """End the command with exit code `code` after `message` (rich markup) on stderr, on one line: greppable in logs."""
+    console.print(message, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def setup_logging() -> None:
@@ -38,5 +44,4 @@ def config_or_exit(path: Path | None, sets: list[str] | None, **flags: Any) -> S
     try:
         return load_config(path, overrides)
     except ConfigError as err:
-        console.print(f"[red]config error:[/] {err}")
-        raise typer.Exit(2) from err
+        fail(f"[red]config error:[/] {err}")

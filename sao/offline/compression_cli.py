@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
-from sao.cli_options import ConfigOpt, SetOpt, config_or_exit, console, setup_logging
+from sao.cli_options import ConfigOpt, SetOpt, config_or_exit, console, fail, setup_logging
 from sao.config import SaoConfig
 
 if TYPE_CHECKING:  # imported where used: `sao` loads this module for every command, and episodes pulls torch
@@ -139,8 +139,7 @@ def train(out: OutOpt, input_path: InputOpt = None, bootstrap_servers: Bootstrap
     torch.set_num_threads(threads)
     loaded = _load_episodes(cfg, input_path, bootstrap_servers, from_env, episodes, agent, noise, seed, max_messages)
     if len(loaded) < 2:
-        console.print(f"[red]only {len(loaded)} episode(s) found[/]: training needs at least two")
-        raise typer.Exit(1)
+        fail(f"[red]only {len(loaded)} episode(s) found[/]: training needs at least two", 1)
     sentence_encoder = load_encoder(encoder or cfg.compression.encoder)
     temporal_filter = train_from_texts([e.texts() for e in loaded], sentence_encoder,
                                        target_keep_ratio=target_keep_ratio, hidden=hidden, epochs=epochs, seed=seed)
@@ -188,22 +187,19 @@ def bottleneck(width: Annotated[int, typer.Option(min=1, help="Directions kept: 
     torch.set_num_threads(1)  # one thread: the embeddings, and so the basis, come out the same bytes every run
     sentence_encoder = load_encoder(cfg.compression.encoder)
     if not 1 <= width <= sentence_encoder.dim:
-        console.print(f"[red]--width[/] must be between 1 and the encoder's {sentence_encoder.dim} dims (got {width})")
-        raise typer.Exit(2)
+        fail(f"[red]--width[/] must be between 1 and the encoder's {sentence_encoder.dim} dims (got {width})")
     temporal_filter = load_temporal_filter(cfg.compression.temporal_weights, cfg.compression.keep_threshold)
     episodes, source, flags = None, "", [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
     if input_path or bootstrap_servers:
         episodes = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, "mix", 0.0, seed, max_messages)
         if len(episodes) < 2:
-            console.print(f"[red]only {len(episodes)} episode(s) found[/]: fitting needs one to hold out and one more")
-            raise typer.Exit(1)
+            fail(f"[red]only {len(episodes)} episode(s) found[/]: fitting needs one to hold out and one more", 1)
         source = f"file {input_path}" if input_path else f"topic {cfg.topics.trajectories}"
         flags += ["--input", str(input_path)] if input_path else ["--bootstrap-servers", bootstrap_servers]
     try:
         basis, record = fit_memory_basis(sentence_encoder, temporal_filter, width, seed, episodes, source)
     except ValueError as err:  # fewer kept steps than --width
-        console.print(f"[red]--width {width}[/]: {err}")
-        raise typer.Exit(1) from err
+        fail(f"[red]--width {width}[/]: {err}", 1)
     path = out or shipped_bottleneck_path(sentence_encoder.name)
     record["command"] = shlex.join(["sao", "compression", "bottleneck", "--width", str(width), "--seed", str(seed),
                                     *flags])
@@ -240,8 +236,7 @@ def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
     else:
         loaded = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, agent, noise, seed, index + 1)
     if index >= len(loaded):
-        console.print(f"[red]no episode {index}[/]: the source holds {len(loaded)}")
-        raise typer.Exit(1)
+        fail(f"[red]no episode {index}[/]: the source holds {len(loaded)}", 1)
     episode = loaded[index]
     window = cfg.compression.recent_window
     sentence_encoder = load_encoder(encoder or cfg.compression.encoder)
