@@ -43,7 +43,8 @@ def serve(config: SaoConfig, run_dir: Path, poll_s: float = 0.2) -> None:
         if version is None or version in done:
             time.sleep(poll_s)
             continue
-        _write(run_dir, version, _score(scorer, version, tasks))
+        # Written whole (write_status): the trainer never reads half a result.
+        write_status(run_dir.shadow_result(version), _score(scorer, version, tasks))
         done.add(version)
 
 
@@ -74,7 +75,3 @@ def _score(scorer: Scorer, version: int, tasks) -> dict:
     return {"version": version, "successes": {t: s["first_try"] for t, s in scores.items()},
             "env_failures": len(failures), "seconds": seconds, "cpu_s": time.process_time(),
             "peak_rss_mb": process_usage()["peak_rss_mb"]}
-
-
-def _write(run_dir: RunDir, version: int, result: dict) -> None:
-    write_status(run_dir.shadow_result(version), result)  # written whole: the trainer never reads half a result
