@@ -23,7 +23,7 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any kn
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """End the command with exit code `code` after `message` (rich markup) on stderr, on one line: greppable in logs."""
+    """End the command with exit code `code` after `message` (rich markup) on stderr, one line: greppable in logs."""
     console.print(message, soft_wrap=True)
     raise typer.Exit(code)
 

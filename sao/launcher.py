@@ -49,12 +49,6 @@ class RunFailed(RuntimeError):
     """A process of the run died or the run timed out; the message says which and where its log is."""
 
 
-def new_run_dir(config: SaoConfig) -> RunDir:
-    if config.run.run_dir:
-        return RunDir(Path(config.run.run_dir))
-    return RunDir(RUNS / datetime.now().strftime("%Y%m%d-%H%M%S"))
-
-
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     """`sao ARGS` as a child that ends with this process, however it ends (a `sao run` killed by SIGKILL too)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +60,7 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
 def run(config: SaoConfig, console: Console) -> dict:
     """The whole story of a run: broker, topics, trainer, samplers; feed and watch; summary and report."""
     check_env_config(config.env)  # a bad env.name or dataset option fails here, before any process starts
-    run_dir = new_run_dir(config)
+    run_dir = RunDir(Path(config.run.run_dir or RUNS / datetime.now().strftime("%Y%m%d-%H%M%S")))
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     run_dir.config.write_text(to_toml(config))
     started, launcher_cpu_at_start = time.time(), own_cpu_seconds()

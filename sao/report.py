@@ -68,8 +68,8 @@ def _throughput(steps: list[StepRecord]) -> tuple[list[float], list[float], list
     trained_at = [record.trained_at for record in steps]
     cumulative = list(itertools.accumulate(record.batch_size for record in steps))
     elapsed = [t - trained_at[0] for t in trained_at]
-    rates = [float("nan")] + [(done - done_before) / (at - at_before) if at > at_before else float("nan")
-                              for (at_before, done_before), (at, done) in itertools.pairwise(zip(trained_at, cumulative))]
+    rates = [float("nan")] + [(done - done_before) / (at - before) if at > before else float("nan")
+                              for (before, done_before), (at, done) in itertools.pairwise(zip(trained_at, cumulative))]
     return elapsed, cumulative, rates
 
 
