@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -237,9 +238,8 @@ def export_trainer_step(record: StepRecord) -> None:
         TRAINER_REWARD.observe(reward)
     advantages = record.advantages
     if advantages:
-        mean = sum(advantages) / len(advantages)
-        std = (sum((a - mean) ** 2 for a in advantages) / len(advantages)) ** 0.5
-        for stat, value in (("mean", mean), ("std", std), ("min", min(advantages)), ("max", max(advantages))):
+        for stat, value in (("mean", statistics.fmean(advantages)), ("std", statistics.pstdev(advantages)),
+                            ("min", min(advantages)), ("max", max(advantages))):
             TRAINER_ADVANTAGE.labels(stat=stat).set(value)
     if math.isfinite(record.grad_norm):
         TRAINER_GRAD_NORM.set(record.grad_norm)
