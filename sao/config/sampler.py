@@ -90,8 +90,6 @@ class SamplerConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_knobs(cls, data: Any) -> Any:
-        chosen = data.get("engine", "auto") if isinstance(data, dict) else "auto"
-        kind = chosen if isinstance(chosen, str) else chosen.get("type", "auto") if isinstance(chosen, dict) else None
-        kind = kind if kind in ("auto", "vllm") else "vllm"  # auto and vllm both take them; hf drops them
-        moved = {"vllm_kv_cache_gib": ("engine", "kv_cache_gib", kind), "vllm_compile": ("engine", "compile", kind)}
+        vllm = ("auto", "vllm")  # auto takes vLLM's knobs for where it picks vLLM; hf drops them
+        moved = {"vllm_kv_cache_gib": ("engine", "kv_cache_gib", vllm), "vllm_compile": ("engine", "compile", vllm)}
         return move_flat_knobs(data, "sampler", moved, cls)

@@ -18,22 +18,25 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def move_flat_knobs(data: Any, section: str, moved: dict[str, tuple[str, str, str]], model: type[BaseModel]) -> Any:
-    """`model`'s raw data with the flat knobs of earlier releases (`moved`: old name -> table, knob, the type
-    it belongs to) moved into that table, each with a warning naming its new place; dropped when the table
+def move_flat_knobs(data: Any, section: str, moved: dict[str, tuple[str, str, str | tuple[str, ...]]],
+                    model: type[BaseModel]) -> Any:
+    """`model`'s raw data with the flat knobs of earlier releases (`moved`: old name -> table, knob, the type or
+    types it belongs to) moved into that table, each with a warning naming its new place; dropped when the table
     holds another type (unset, the table's default)."""
     if not isinstance(data, dict) or not set(data) & set(moved):
         return data
     data = dict(data)
-    for old, (table, knob, kind) in moved.items():
+    for old, (table, knob, kinds) in moved.items():
         if old not in data:
             continue
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
         value = data.pop(old)
-        log.warning("config: %s.%s is now %s.%s.%s (with %s.%s.type = %r)", section, old, section, table, knob,
-                    section, table, kind)
+        log.warning("config: %s.%s is now %s.%s.%s (with %s.%s.type = %s)", section, old, section, table, knob,
+                    section, table, " or ".join(map(repr, kinds)))
         chosen = data.get(table, model.model_fields[table].get_default(call_default_factory=True).type)
-        if chosen == kind or (isinstance(chosen, dict) and chosen.get("type") == kind):
-            data[table] = {"type": kind, **(chosen if isinstance(chosen, dict) else {}), knob: value}
+        chosen_type = chosen.get("type") if isinstance(chosen, dict) else chosen
+        if chosen_type in kinds:
+            data[table] = {**(chosen if isinstance(chosen, dict) else {}), "type": chosen_type, knob: value}
     return data
 
 

@@ -150,9 +150,8 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
                 del hindsight[index]
                 actions.pop(index, None)
         for index, retry in hindsight.items():
-            if index in answers:  # the question's own answer: judged as a first try, against the first try's baseline,
-                first_baseline = returns[index][0] - advantages[index][0]  # which tells copying retries nothing
-                advantages[index].append(answers[index].first_try_return - first_baseline)
+            if index in answers:  # the question's own answer: judged as a first try, against the first try's baseline
+                advantages[index].append(answers[index].first_try_return - baselines[index][0])
             else:  # the retry's own reply, worded for its feedback: taught as strongly as the retry itself
                 advantages[index].append(advantages[index][retry])
     if cfg.scale_advantages:
