@@ -406,14 +406,13 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
     checked against the run's state_sha256, and the first difference ends it (exit 1) naming step and tensor."""
     setup_logging()
     from sao.trainer.archive import ArchiveError, TrajectoryLog
-    from sao.trainer.replay import CannotReplay, ReplayMismatch
-    from sao.trainer.replay import replay as replay_run
+    from sao.trainer.replay import CannotReplay, Replay, ReplayMismatch
 
     try:
         ranks = TrajectoryLog.read(RunDir(run_dir).trajectory_log).world_size()
         if ranks > 1 and "WORLD_SIZE" not in os.environ:  # each rank of the run replays as itself
             raise typer.Exit(_relaunch_on_ranks(ranks))
-        result = replay_run(run_dir, set_, out)
+        result = Replay(run_dir, set_, out).run()
     except (ConfigError, ArchiveError, CannotReplay) as err:
         fail(f"[red]cannot replay:[/] {escape(str(err))}")
     except ReplayMismatch as err:

@@ -22,11 +22,6 @@ class TasksNotAcknowledged(RuntimeError):
     """The broker did not acknowledge every task in time; the message names the broker."""
 
 
-def copies_per_task(config: SaoConfig) -> int:
-    """SAO samples each task once; the GRPO baseline samples it group_size times."""
-    return config.trainer.algorithm.copies_per_task
-
-
 def in_flight_cap(config: SaoConfig) -> int:
     """Trajectories fed but not yet trained on, at most (never less than one task's copies).
 
@@ -36,12 +31,12 @@ def in_flight_cap(config: SaoConfig) -> int:
     GRPO: one batch, i.e. synchronous - the next batch is sampled only with the new policy.
     """
     default = config.trainer.batch_size * config.trainer.algorithm.batches_in_flight
-    return max(config.run.max_trajectories_in_flight or default, copies_per_task(config))
+    return max(config.run.max_trajectories_in_flight or default, config.trainer.algorithm.copies_per_task)
 
 
 def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int = 0, producer=None,
                policy_version: int = 0) -> int:
-    """Produce tasks [start_index, start_index + count), each `copies_per_task` times (acks=all),
+    """Produce tasks [start_index, start_index + count), each `trainer.algorithm.copies_per_task` times (acks=all),
     to be sampled with at least `policy_version`.
 
     Returns how many task messages (= trajectories to expect) were acknowledged.
@@ -49,7 +44,7 @@ def feed_tasks(config: SaoConfig, bootstrap: str, count: int, start_index: int =
     producer = producer or make_producer(bootstrap)
     sent = 0
     for task in make_tasks(config.env, count, start_index):
-        for copy in range(copies_per_task(config)):
+        for copy in range(config.trainer.algorithm.copies_per_task):
             # the copy index makes the trajectory_id distinct
             message = replace(task, copy=copy, policy_version=policy_version)
             producer.produce(config.topics.tasks, value=encode(message), key=task.task_id)
@@ -66,7 +61,7 @@ class Feeder:
 
     def __init__(self, config: SaoConfig, bootstrap: str):
         self.config, self.bootstrap = config, bootstrap
-        self.copies = copies_per_task(config)
+        self.copies = config.trainer.algorithm.copies_per_task  # sao samples a task once, grpo group_size times
         self.total = config.run.num_tasks * self.copies  # trajectories the run will produce
         self.cap = in_flight_cap(config)
         self.producer = make_producer(bootstrap)

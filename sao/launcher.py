@@ -24,8 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sao.config import SaoConfig, to_toml
-from sao.envs.registry import check_env_config
-from sao.feeder import Feeder, copies_per_task
+from sao.feeder import Feeder
 from sao.processes import die_with_parent
 from sao.report import build_summary, summary_table, write_report
 from sao.run_dir import RUNS, RunDir
@@ -59,7 +58,6 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
 
 def run(config: SaoConfig, console: Console) -> dict:
     """The whole story of a run: broker, topics, trainer, samplers; feed and watch; summary and report."""
-    check_env_config(config.env)  # a bad env.name or dataset option fails here, before any process starts
     run_dir = RunDir(Path(config.run.run_dir or RUNS / datetime.now().strftime("%Y%m%d-%H%M%S")))
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     run_dir.config.write_text(to_toml(config))
@@ -182,7 +180,7 @@ def _rate(value: float | None, error: float | None, n: int) -> str:
 def _start_processes(config: SaoConfig, bootstrap: str, run_dir: RunDir) -> dict[str, subprocess.Popen]:
     """The trainer (told how many trajectories to expect) and `sampler.num_samplers` samplers."""
     common = ["--config", str(run_dir.config), "--bootstrap-servers", bootstrap, "--run-dir", str(run_dir.root)]
-    expected = config.run.num_tasks * copies_per_task(config)
+    expected = config.run.num_tasks * config.trainer.algorithm.copies_per_task
     processes = {"trainer": _spawn(["trainer", *common, "--expect", str(expected)], run_dir.log("trainer"))}
     for i in range(config.sampler.num_samplers):
         name = f"sampler-{i}"

@@ -31,6 +31,7 @@ from pathlib import Path
 _WEIGHTS_PREFIX = "policy-v"
 _DELTA_PREFIX = "delta-v"
 _BEST_PREFIX = "best-v"
+CHECKPOINT_STATE = "sao_state.json"  # in each checkpoint tag's folder, beside DeepSpeed's files
 
 
 def _at(*parts: str) -> property:
@@ -134,7 +135,7 @@ class RunDir:
 
     def checkpoint_state(self, tag: str) -> Path:
         """sao's state of checkpoint `tag` (step, offsets, Kafka cluster id), JSON; see sao/trainer/checkpoint.py."""
-        return self.checkpoints / tag / "sao_state.json"
+        return self.checkpoints / tag / CHECKPOINT_STATE
 
 
 RUNS = Path("runs")  # where `sao run` puts a run without run.run_dir: runs/<timestamp>

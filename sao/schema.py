@@ -83,8 +83,6 @@ def unpack_array(obj: Any, field_name: str, dtype: type, ndim: int) -> np.ndarra
     dtype_str, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
     if dtype_str != expected:
         _fail(field_name, f"dtype {dtype_str!r}, expected {expected!r}")
-    if dtype_str not in _ALLOWED_DTYPES:
-        _fail(field_name, f"dtype {dtype_str!r} not allowed")
     if not (isinstance(shape, list) and len(shape) == ndim and all(isinstance(s, int) and s >= 0 for s in shape)):
         _fail(field_name, f"shape {shape!r} is not a list of {ndim} non-negative ints")
     _require(isinstance(data, bytes), field_name, "data must be bytes")

@@ -30,7 +30,7 @@ from sao.envs.recall import build_episode as build_recall_episode
 from sao.envs.textworld import TextWorldEnv
 from sao.envs.textworld_agents import Agent, expert_action
 from sao.policy.chat import turn_text, user_turn_text
-from sao.schema import Memory, SchemaError, Step, Trajectory, decode, encode
+from sao.schema import Memory, SchemaError, Step, Trajectory, decode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -101,17 +101,6 @@ def write_episodes(path: str | Path, episodes: Iterable[Episode]) -> int:
     with open(path, "w", encoding="utf-8") as out:
         for episode in episodes:
             out.write(episode.to_json() + "\n")
-            count += 1
-    return count
-
-
-def write_trajectory_records(path: str | Path, trajectories: Iterable[Trajectory]) -> int:
-    """Write trajectory messages, each prefixed by its length; returns how many."""
-    count = 0
-    with open(path, "wb") as out:
-        for trajectory in trajectories:
-            data = encode(trajectory)
-            out.write(_LENGTH.pack(len(data)) + data)
             count += 1
     return count
 

@@ -103,17 +103,9 @@ class Sampler:
         """The trainer's policy folder this sampler reads (None: none, as with policy.transport = kafka)."""
         return self.weights_source.policy_dir
 
-    @policy_dir.setter
-    def policy_dir(self, folder: Path | None) -> None:
-        self.weights_source.policy_dir = folder
-
     @property
     def policy_version(self) -> int:
         return self.weight_sync.version
-
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        self.weight_sync.version = version
 
     def run(self, max_tasks: int | None = None) -> dict:
         """Loop until stopped (SIGTERM/SIGINT) or `max_tasks` tasks are handled.

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from sao.policy.weights import sha256_file
+from sao.run_dir import CHECKPOINT_STATE
 from sao.status import write_atomically
 from sao.trainer.distributed import rank, world_size
 
 log = logging.getLogger(__name__)
 
-_STATE_FILE = "sao_state.json"
 _LATEST_FILE = "latest"
 _TAG = re.compile(r"step-\d{8}")  # the only tags sao writes
 
@@ -80,7 +80,7 @@ def save_checkpoint(engine, directory: Path, state: TrainerState) -> Path:
     _barrier()  # every rank's shards are on disk before rank 0 hashes them
     if leader:
         files = {name: sha256_file(path) for name, path in _files_of(tag_dir).items()}
-        write_atomically(tag_dir / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
+        write_atomically(tag_dir / CHECKPOINT_STATE, json.dumps({**asdict(state), "files": files}))
         write_atomically(directory / _LATEST_FILE, tag)  # only now does this checkpoint count
     _barrier()
     return tag_dir
@@ -98,8 +98,8 @@ def update_checkpoint_state(directory: Path, state: TrainerState) -> None:
         raise RuntimeError(f"{directory / _LATEST_FILE} names {tag!r}, not step {state.step}: only the state of "
                            "the checkpoint of the current step may be rewritten")
     # The hashes are copied, not recomputed: a resume still checks the files against them.
-    files = json.loads((directory / tag / _STATE_FILE).read_text())["files"]
-    write_atomically(directory / tag / _STATE_FILE, json.dumps({**asdict(state), "files": files}))
+    files = json.loads((directory / tag / CHECKPOINT_STATE).read_text())["files"]
+    write_atomically(directory / tag / CHECKPOINT_STATE, json.dumps({**asdict(state), "files": files}))
 
 
 def has_checkpoint(directory: Path) -> bool:
@@ -132,7 +132,7 @@ def verify_checkpoint(directory: Path) -> tuple[str, dict]:
         raise UntrustedCheckpoint(_refusal(directory, f"{latest} names {tag!r}, not a checkpoint sao writes "
                                                       "(step-NNNNNNNN)"))
     tag_dir = directory / tag
-    state_path = tag_dir / _STATE_FILE
+    state_path = tag_dir / CHECKPOINT_STATE
     try:
         if tag_dir.is_symlink() or state_path.is_symlink():
             raise ValueError("a symbolic link")
@@ -182,7 +182,7 @@ def _files_of(tag_dir: Path) -> dict[str, Path]:
     """Every entry under the tag directory but sao's state file, by relative path (links included)."""
     return {path.relative_to(tag_dir).as_posix(): path for path in tag_dir.rglob("*")
             if not path.is_dir() or path.is_symlink()
-            if path.relative_to(tag_dir).as_posix() != _STATE_FILE}
+            if path.relative_to(tag_dir).as_posix() != CHECKPOINT_STATE}
 
 
 def rng_state(replay_rng: random.Random) -> dict:

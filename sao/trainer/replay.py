@@ -100,6 +100,7 @@ class Replay:
         self.targets = {event["to_version"] for event in self.rollbacks.values()}
 
     def run(self) -> ReplayResult:
+        """Replay the run (see the module docstring); raises ReplayMismatch at the first difference."""
         started = time.perf_counter()
         torch.set_num_threads(self.log.first_life()["torch_threads"])
         built = build_policy_engine(self.config)
@@ -226,8 +227,3 @@ class Replay:
         except (OSError, KeyError, ValueError) as err:
             by = f"by how much is unknown: the run no longer keeps v{version}'s file ({err})"
         return f"{where}; first tensor {tensor} ({len(differing)} of {len(published)} differ), {by}"
-
-
-def replay(run_dir: Path, overrides: list[str] | None = None, out: Path | None = None) -> ReplayResult:
-    """Replay the run in `run_dir` (see the module docstring); raises ReplayMismatch at the first difference."""
-    return Replay(run_dir, overrides, out).run()

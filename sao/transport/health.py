@@ -148,17 +148,14 @@ class BrokerWatch:
 
     def check(self) -> None:
         """Raise `BrokerReplaced` or `BrokerLost` if the broker is gone for good; return otherwise."""
-        with self._lock:
-            replaced_by, down = self._replaced_by, self._down
-            lost_for = time.monotonic() - self._last_answer if down else 0.0
-            old = self._cluster_id
-        if replaced_by is not None:
+        if self._replaced_by is not None:  # set once and never cleared, so read without the lock
             raise BrokerReplaced(
-                f"{self.process}: the broker at {self.bootstrap} is now Kafka cluster {replaced_by!r}, not {old!r}: "
-                "a broker that restarted without durable storage (the embedded in-memory one does) or another "
-                "cluster. The topics, offsets and groups this process worked on are not there, so it stops instead "
-                "of going on silently on an empty log. Start the run again, and use durable storage if a broker "
-                "restart must not lose the run (docs/reliability.md).")
+                f"{self.process}: the broker at {self.bootstrap} is now Kafka cluster {self._replaced_by!r}, not "
+                f"{self.cluster_id!r}: a broker that restarted without durable storage (the embedded in-memory one "
+                "does) or another cluster. The topics, offsets and groups this process worked on are not there, so it "
+                "stops instead of going on silently on an empty log. Start the run again, and use durable storage if "
+                "a broker restart must not lose the run (docs/reliability.md).")
+        lost_for = self.lost_for()
         if lost_for > self.loss_timeout_s:
             with self._lock:
                 first = not self._gave_up

@@ -1,5 +1,7 @@
 """Recorded episodes: JSONL and trajectory-record files, replaying into sampler trajectories."""
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -16,14 +18,21 @@ from sao.offline.episodes import (
     record_episode,
     replay_episode,
     write_episodes,
-    write_trajectory_records,
 )
+from sao.schema import encode
 
 
 @pytest.fixture(scope="module")
 def short_episode() -> Episode:
     task = TextWorldEnv.make_tasks(EnvConfig(name="textworld", options={"size": 6, "max_steps": 40}), 1)[0]
     return record_episode(TextWorldEnv(), task.task_id, task.spec, ExpertAgent(noise=0.3, seed=1))
+
+
+def write_trajectory_records(path, trajectories) -> int:
+    """The trajectory-records format read_episodes reads: each message preceded by its length (uint32 LE)."""
+    records = [encode(trajectory) for trajectory in trajectories]
+    path.write_bytes(b"".join(struct.pack("<I", len(record)) + record for record in records))
+    return len(records)
 
 
 def test_jsonl_round_trip(tmp_path, short_episode):

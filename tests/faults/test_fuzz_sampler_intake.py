@@ -59,7 +59,7 @@ def sampler(kafka_bootstrap, tiny_config, tmp_path_factory):
     # spin cost the sampler its env time limit, short here so that they cost seconds (a healthy reset takes ~1 ms).
     config.env.turn_timeout_s, config.policy.max_new_tokens = 0.05, 4
     built = Sampler(config, kafka_bootstrap, "s-fuzz")
-    built.policy_dir = tmp_path_factory.mktemp("fuzz-sampler") / "run" / "policy"
+    built.weights_source.policy_dir = tmp_path_factory.mktemp("fuzz-sampler") / "run" / "policy"
     built.policy_dir.mkdir(parents=True)
     ensure_announce_key(built.policy_dir)  # the trainer's key: the sampler reads only what it signed
     yield built

@@ -85,7 +85,7 @@ class Reload:
         """A new life of the sampler: version 0, a new follower that reads the whole topic again."""
         self.sampler.policy_follower.close()
         self.sampler.policy_follower = PolicyFollower(self.bootstrap, self.topic)
-        self.sampler.policy_version, self.sampler.pending = 0, None
+        self.sampler.weight_sync.version, self.sampler.pending = 0, None
         self._wait_until_read()
 
     def settle(self) -> int:
@@ -107,7 +107,7 @@ def reload(built_sampler, kafka_bootstrap, unique_topic_prefix, tmp_path) -> Rel
     sampler.policy_follower = PolicyFollower(kafka_bootstrap, topic, sampler.config.sampler.max_version_jump)
     sampler.policy.load_state_dict(version_0)
     sampler.pending, sampler.counters["refused"] = None, 0
-    sampler.policy_dir = tmp_path / "run" / "policy"
+    sampler.weights_source.policy_dir = tmp_path / "run" / "policy"
     sampler.policy_dir.mkdir(parents=True)
     sampler.config.sampler.max_weights_bytes = 8 << 30
     sampler.weight_sync = WeightSync(sampler.policy)  # holds v0
@@ -295,7 +295,7 @@ def test_a_restarted_sampler_meets_the_same_bad_announcements_without_failing(re
 
 
 def test_without_a_policy_folder_every_version_is_refused_and_it_is_said_once(reload, caplog):
-    reload.sampler.policy_dir = None
+    reload.sampler.weights_source.policy_dir = None
     reload.announce(1, reload.weights(1))
     reload.announce(2, reload.weights(2))
     assert reload.settle() == 0
