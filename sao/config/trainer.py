@@ -141,11 +141,12 @@ class TrainerConfig(Section):
                               "follow the run.heldout_cap the final comparison uses. An eval split too small for "
                               "both is shared: validation takes at most its last half.")
     shadow_margin: float = Field(
-        2.0, gt=0, description="A scored version whose success is below the best's by more than this many standard "
-                               "errors of their paired difference has dropped: an alert, and with rollback a restore.")
+        2.0, gt=0, description="A scored version whose success is below the top score's by more than this many "
+                               "standard errors of their paired difference has dropped: an alert, and with rollback "
+                               "a restore.")
     rollback: bool = Field(
-        True, description="On a drop (see shadow_margin), restore the best version's weights and optimizer state and "
-                          "go on training from there, publishing them as a new version.")
+        True, description="On a drop (see shadow_margin), restore the best version's (the newest that did not drop) "
+                          "weights and optimizer state and go on from there, publishing them as a new version.")
     fused_adamw: bool = Field(
         True, description="torch AdamW's fused kernel: one pass over the weights per step instead of several, "
                           "for the same update (measured: benchmarks/README.md).")

@@ -4,9 +4,11 @@ A background process (`sao shadow`, sao/sampler/shadow.py) scores the versions t
 for, one at a time, on a fixed validation slice of held-out tasks; training never waits for it.
 The trainer asks whenever the scorer is idle and `trainer.shadow_every` versions have passed,
 snapshotting the optimizer at that version first (sao/trainer/snapshots.py), so any scored version
-can be returned to exactly. `ShadowBoard` keeps the scores: the best version (ties go to the
-later one), and a *drop* when a newer version is below the best by more than `shadow_margin`
-standard errors of their paired difference on the same tasks.
+can be returned to exactly. `ShadowBoard` keeps the scores: the top version (the highest score,
+ties to the later one); a *drop* when a newer version is below the top by more than `shadow_margin`
+standard errors of their paired difference on the same tasks; and the best version, the one the run
+keeps: the newest that is no drop. On a small slice the highest score is partly luck, so a later
+version the slice cannot tell from it, trained on more, is the better one to keep.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ class ShadowScore:
 
 @dataclass(frozen=True)
 class Drop:
-    """`version` scored below the best by `gap` (negative) with `stderr` the paired standard error."""
+    """`version` scored below the top version by `gap` (negative) with `stderr` the paired standard error;
+    `best` is the version the run keeps instead, the one a rollback returns to."""
 
     version: int
+    top: int
     best: int
     gap: float
     stderr: float
@@ -70,7 +74,8 @@ class Drop:
 class ShadowBoard:
     margin: float
     scores: dict[int, ShadowScore] = field(default_factory=dict)
-    best: int | None = None
+    best: int | None = None  # the version the run keeps: the newest that is no drop
+    top: int | None = None  # the highest score (ties to the later version), which drops are measured from
     scorer_cpu_s: float = 0.0  # the scorer process's CPU seconds, as of its latest score
     scorer_peak_rss_mb: float | None = None  # the scorer process's resident memory at its highest, likewise
     snapshot_s: float = 0.0  # the trainer's seconds spent snapshotting the optimizer for it
@@ -78,21 +83,20 @@ class ShadowBoard:
     rollbacks: list[dict] = field(default_factory=list)
 
     def add(self, score: ShadowScore) -> Drop | None:
-        """Record a version's score; the Drop if it fell below the best by more than the margin."""
+        """Record a version's score; the Drop if it fell below the top by more than the margin."""
         self.scores[score.version] = score
-        if self.best is None or score.mean >= self.scores[self.best].mean:
-            self.best = score.version
+        if self.top is None or score.mean >= self.scores[self.top].mean:
+            self.top = self.best = score.version
             return None
-        best = self.scores[self.best]
-        shared = sorted(set(best.successes) & set(score.successes))
-        gap, error = paired_gain([best.successes[t] for t in shared], [score.successes[t] for t in shared])
-        if gap is None or error is None:
-            return None
+        top = self.scores[self.top]
+        shared = sorted(set(top.successes) & set(score.successes))
+        gap, error = paired_gain([top.successes[t] for t in shared], [score.successes[t] for t in shared])
         # All tasks moving the same way leaves no spread: a certain drop, not an unmeasurable one.
-        if gap < 0 and (error == 0 or gap < -self.margin * error):
-            drop = Drop(score.version, self.best, gap, error)
+        if gap is not None and error is not None and gap < 0 and (error == 0 or gap < -self.margin * error):
+            drop = Drop(score.version, self.top, self.best, gap, error)
             self.drops.append(drop)
             return drop
+        self.best = score.version
         return None
 
     def alias(self, version: int, same_as: int) -> None:
@@ -101,6 +105,8 @@ class ShadowBoard:
         self.scores[version] = ShadowScore(version, original.successes, 0.0, same_as)
         if self.best == same_as:
             self.best = version
+        if self.top == same_as:
+            self.top = version
 
     def to_json(self) -> dict:
         def figures(score: ShadowScore) -> dict:
@@ -109,8 +115,9 @@ class ShadowBoard:
 
         best = self.scores[self.best] if self.best is not None else None
         return {"margin": self.margin, "scores": {str(v): figures(s) for v, s in sorted(self.scores.items())},
-                "best": {"version": best.version, **figures(best)} if best else None, "scorer_cpu_s": self.scorer_cpu_s,
-                "scorer_peak_rss_mb": self.scorer_peak_rss_mb, "snapshot_s": self.snapshot_s,
+                "best": {"version": best.version, **figures(best)} if best else None, "top": self.top,
+                "scorer_cpu_s": self.scorer_cpu_s, "scorer_peak_rss_mb": self.scorer_peak_rss_mb,
+                "snapshot_s": self.snapshot_s,
                 "drops": [asdict(drop) for drop in self.drops], "rollbacks": self.rollbacks}
 
 

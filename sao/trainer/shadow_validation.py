@@ -151,9 +151,9 @@ class ShadowValidation:
         """Log and count a drop; the version to roll back to, or -1."""
         restorable = drop.best in self.snapshots
         rolls_back = self.config.rollback and restorable
-        log.warning("ALERT shadow validation: v%d scored %.3f below the best, v%d (%.1f standard errors of the paired "
-                    "difference; margin %.1f); %s", drop.version, -drop.gap, drop.best,
-                    -drop.gap / drop.stderr if drop.stderr else float("inf"), self.config.shadow_margin,
+        log.warning("ALERT shadow validation: v%d scored %.3f below the top, v%d (%.1f standard errors of the paired "
+                    "difference; margin %.1f); the best is v%d: %s", drop.version, -drop.gap, drop.top,
+                    -drop.gap / drop.stderr if drop.stderr else float("inf"), self.config.shadow_margin, drop.best,
                     "rolling back to it" if rolls_back else
                     "trainer.rollback is off" if not self.config.rollback else
                     "not restorable in this life (no snapshot): training goes on")
@@ -166,9 +166,9 @@ class ShadowValidation:
             return
         drop = self._add(score)
         if drop is not None:
-            log.warning("ALERT shadow validation: %s v%d scored %.3f below the best, v%d; the run keeps v%d "
+            log.warning("ALERT shadow validation: %s v%d scored %.3f below the top, v%d; the run keeps v%d "
                         "(RUN_DIR/policy/best)", "the final version" if final else "version", drop.version,
-                        -drop.gap, drop.best, drop.best)
+                        -drop.gap, drop.top, drop.best)
             metrics.SHADOW_DROPS.inc()
 
 
