@@ -1,32 +1,37 @@
 """sao beside TRL's GRPOTrainer on one machine: learning curves at equal wall time, one judge for both.
 
-    python benchmarks/vs_trl.py [--minutes 4] [--seeds 1] [--points 4] [--arms sao trl-default trl-sao-lr]
+    python benchmarks/vs_trl.py [--minutes 4] [--seeds 1] [--points 4]
+                                [--arms sao sao-reward-only trl-default trl-sao-lr]
                                 [--trl-python PATH] [--heldout-cap N] [--json PATH] [--plot PATH]
                                 [--work-dir DIR] [--keep-weights] [-- extra sao run args (--set k=v)]
 
-Per seed the arms run one after the other (sao, TRL at its documented defaults, TRL at sao's
-learning rate), each for the same wall-clock budget counted from its launch (start-up included):
-sao as `sao run --minutes N` with every version kept; TRL's GRPOTrainer (benchmarks/_trl_peer.py,
-run by `--trl-python`, an interpreter with `pip install -e ".[peers]"`) saving checkpoints on a
-schedule. Both start from the same HF folder (the one sao converts from the GGUF), train on sao's
-train split (the env's make_tasks under env.seed = seed) with the same chat template, system prompt,
-temperature, top_p and max new tokens, and are rewarded for a right first answer.
+Per seed the arms run one after the other (sao's default, sao on the reward alone, TRL at its
+documented defaults, TRL at sao's learning rate), each for the same wall-clock budget counted from
+its launch (start-up included): sao as `sao run --minutes N` with every version kept; TRL's
+GRPOTrainer (benchmarks/_trl_peer.py, run by `--trl-python`, an interpreter with `pip install -e
+".[peers]"`) saving checkpoints on a schedule. Both start from the same HF folder (the one sao
+converts from the GGUF), train on sao's train split (the env's make_tasks under env.seed = seed)
+with the same chat template, system prompt, temperature, top_p and max new tokens, and are rewarded
+for a right first answer. sao's default also states the right answer in a wrong answer's feedback
+(env.reveal_answer) and teaches it to the first try: supervision GRPO's loop has no place for.
+`sao-reward-only` turns it off (env.reveal_answer=false), so that arm learns from the reward alone,
+as TRL does.
 
 Every checkpoint is judged by sao's own held-out scorer (greedy, first try, the run's chat format
-and system prompt) on the same held-out tasks: at `--points` equal fractions of the budget, the
-last version or checkpoint saved by then. Each point gives held-out success overall and on the
-skill the base model does worst on (sao/sampler/skills.py), with n and s.e., against wall time
-and generated tokens (TRL: every completion token; sao: trajectories trained by then times the
-run's mean tokens per trajectory, both turns). Printed: the table at the budget, sao / TRL at each
-equal wall time, sao - TRL paired on the same questions at the budget, and the wall time sao takes
-to reach each TRL arm's final score. The format-only ceiling (share of judged tasks without the
-skill) is printed beside them.
+and system prompt) on the same held-out tasks: at `--points` equal fractions of the budget, the last
+version or checkpoint saved by then. Each point gives held-out success overall and on the skill the
+base model does worst on (sao/sampler/skills.py), with n and s.e., against wall time and generated
+tokens (TRL: every completion token; sao: trajectories trained by then times the run's mean tokens
+per trajectory, both turns). Printed: the table at the budget, and for each sao arm against each TRL
+arm: their ratio at each equal wall time, their difference paired on the same questions at the
+budget, and the wall time the sao arm takes to reach the TRL arm's final score. The format-only
+ceiling (share of judged tasks without the skill) is printed beside them.
 
-Where the setups differ (they cannot match): GRPO samples a group of completions per prompt and
-uses the group's mean as baseline; sao samples one trajectory per task, with a second try after
-feedback, and a per-task baseline. TRL's documented defaults: lr 1e-6, 8 completions per prompt,
-one prompt per step, loss "dapo", beta 0; its schedule is constant here (a wall-clock budget has no
-step count for the linear default to decay over) and it runs fp32 on the CPU.
+Where the setups differ (they cannot match): GRPO samples a group of completions per prompt and uses
+the group's mean as baseline; sao samples one trajectory per task, with a second try after feedback,
+and a per-task baseline. TRL's documented defaults: lr 1e-6, 8 completions per prompt, one prompt
+per step, loss "dapo", beta 0; its schedule is constant here (a wall-clock budget has no step count
+for the linear default to decay over) and it runs fp32 on the CPU.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ from sao.processes import die_with_parent
 from sao.run_dir import RunDir
 from sao.stats import mean, paired_gain, stderr
 
-ARMS = ("sao", "trl-default", "trl-sao-lr")
+# sao's arms: the extra `sao run` arguments of each.
+SAO_ARMS = {"sao": [], "sao-reward-only": ["--set", "env.reveal_answer=false"]}
+ARMS = (*SAO_ARMS, "trl-default", "trl-sao-lr")
 TRAINING_TASKS = 4096  # more than any budget here gets through: TRL never sees the list run out
 REPO = Path(__file__).resolve().parents[1]
 
@@ -259,8 +266,9 @@ def benchmark(args: argparse.Namespace, extra: list[str]) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     budget_s = args.minutes * 60
     times = [budget_s * (k + 1) / args.points for k in range(args.points)]
-    trl_version = check_trl(args.trl_python) if any(arm != "sao" for arm in args.arms) else None
-    if any(arm != "sao" for arm in args.arms) and trl_version is None:
+    trl_arms = [arm for arm in args.arms if arm not in SAO_ARMS]
+    trl_version = check_trl(args.trl_python) if trl_arms else None
+    if trl_arms and trl_version is None:
         raise SystemExit(f"--trl-python {args.trl_python} cannot import trl: `pip install -e \".[peers]\"` there, "
                          "or pass --arms sao")
     judge = Judge(config, args.heldout_cap, work)
@@ -268,8 +276,8 @@ def benchmark(args: argparse.Namespace, extra: list[str]) -> dict:
     for seed in range(args.seeds):
         for arm in args.arms:  # alternated: every seed runs each arm once, in turn
             folder = work / f"{arm}-seed{seed}"
-            if arm == "sao":
-                checkpoints, wall_s = run_sao(seed, args.minutes, folder, extra)
+            if arm in SAO_ARMS:
+                checkpoints, wall_s = run_sao(seed, args.minutes, folder, [*extra, *SAO_ARMS[arm]])
             else:
                 checkpoints, wall_s = run_trl(args.trl_python, trl_setup(config, seed, args.minutes, times, folder,
                                                                          arm))
@@ -278,7 +286,7 @@ def benchmark(args: argparse.Namespace, extra: list[str]) -> dict:
                 if checkpoint is None:  # nothing saved yet: the base model is what this arm has
                     point = judge.point(judge.base, {"wall_s": moment, "tokens": 0, "label": "base"})
                 else:
-                    scores = (judge.sao_version(folder, checkpoint["version"]) if arm == "sao"
+                    scores = (judge.sao_version(folder, checkpoint["version"]) if arm in SAO_ARMS
                               else judge.trl_checkpoint(Path(checkpoint["path"])))
                     point = {**judge.point(scores, checkpoint), "scores": scores}
                 points.append({**point, "at_s": moment})
@@ -287,7 +295,7 @@ def benchmark(args: argparse.Namespace, extra: list[str]) -> dict:
             # What is judged so far survives a benchmark stopped before its end.
             (work / "partial.json").write_text(json.dumps(runs, indent=1, default=str))
             if not args.keep_weights:
-                if arm == "sao":
+                if arm in SAO_ARMS:
                     RunDir(folder).drop_weights()
                 else:
                     for checkpoint in checkpoints:
@@ -300,30 +308,31 @@ def summarise(args: argparse.Namespace, config: SaoConfig, judge: Judge, runs: l
                                for r in runs if r["arm"] == arm]) for arm in args.arms}
     base = figures(judge.base, judge.base, judge.skill_tasks)
     comparisons = {}
-    for arm in (a for a in args.arms if a != "sao"):
-        if "sao" not in curves:
-            break
+    for sao_arm, arm in itertools.product([a for a in args.arms if a in SAO_ARMS],
+                                          [a for a in args.arms if a not in SAO_ARMS]):
         paired = {"overall": [], "skill": []}
         for seed in range(args.seeds):
             ours, theirs = (next(r for r in runs if r["arm"] == name and r["seed"] == seed)["points"][-1]
-                            for name in ("sao", arm))
+                            for name in (sao_arm, arm))
             if "scores" in ours and "scores" in theirs:
                 for key, tasks in (("overall", list(judge.base)), ("skill", judge.skill_tasks)):
                     gain, gain_stderr = paired_gain([theirs["scores"][t] for t in tasks],
                                                     [ours["scores"][t] for t in tasks])
                     paired[key].append({"seed": seed, "sao_minus_trl": gain, "stderr": gain_stderr})
         final = curves[arm][-1]
-        comparisons[arm] = {
-            "ratio_overall": [ratio(s["overall"], t["overall"]) for s, t in zip(curves["sao"], curves[arm])],
-            "ratio_skill": [ratio(s["skill"], t["skill"]) for s, t in zip(curves["sao"], curves[arm])],
+        comparisons[f"{sao_arm} vs {arm}"] = {
+            "sao_arm": sao_arm, "trl_arm": arm,
+            "ratio_overall": [ratio(s["overall"], t["overall"]) for s, t in zip(curves[sao_arm], curves[arm])],
+            "ratio_skill": [ratio(s["skill"], t["skill"]) for s, t in zip(curves[sao_arm], curves[arm])],
             "paired_at_budget": paired,
-            "sao_time_to_trl_final_s": time_to_reach(curves["sao"], final["overall"]),
-            "sao_time_to_trl_final_skill_s": time_to_reach(curves["sao"], final["skill"], "skill"),
+            "sao_time_to_trl_final_s": time_to_reach(curves[sao_arm], final["overall"]),
+            "sao_time_to_trl_final_skill_s": time_to_reach(curves[sao_arm], final["skill"], "skill"),
             "trl_final_wall_s": final["wall_s"]}
     for run in runs:
         for point in run["points"]:
             point.pop("scores", None)
-    headline_arm = "trl-sao-lr" if "trl-sao-lr" in comparisons else next(iter(comparisons), None)
+    headline_arm = ("trl-sao-lr" if "trl-sao-lr" in args.arms
+                    else next((a for a in args.arms if a not in SAO_ARMS), None))
     sao_final = curves["sao"][-1]["overall"] if "sao" in curves else None
     trl_final = curves[headline_arm][-1]["overall"] if headline_arm else None
     return {
@@ -363,16 +372,18 @@ def show(result: dict) -> None:
                           f"{point['skill']:.3f} ± {point['skill_stderr'] or 0:.3f}",
                           f"{point['skill_gain']:+.3f} ± {point['skill_gain_stderr'] or 0:.3f}")
     console.print(table)
-    for arm, comparison in result["comparisons"].items():
+    for comparison in result["comparisons"].values():
+        ours, arm = comparison["sao_arm"], comparison["trl_arm"]
         ratios = ", ".join("-" if r is None else f"{r:.2f}" for r in comparison["ratio_overall"])
         skill_ratios = ", ".join("-" if r is None else f"{r:.2f}" for r in comparison["ratio_skill"])
-        console.print(f"sao / {arm} at equal wall time {result['points_s']}: overall {ratios}; {skill} {skill_ratios}")
+        console.print(f"{ours} / {arm} at equal wall time {result['points_s']}: overall {ratios}; "
+                      f"{skill} {skill_ratios}")
         for key in ("overall", "skill"):
             for row in comparison["paired_at_budget"][key]:
-                console.print(f"  seed {row['seed']} sao - {arm} at the budget, {key}: {row['sao_minus_trl']:+.3f} ± "
-                              f"{row['stderr'] or 0:.3f} (paired on the same questions)")
+                console.print(f"  seed {row['seed']} {ours} - {arm} at the budget, {key}: "
+                              f"{row['sao_minus_trl']:+.3f} ± {row['stderr'] or 0:.3f} (paired on the same questions)")
         reach = comparison["sao_time_to_trl_final_s"]
-        console.print(f"  sao reaches {arm}'s final overall score at "
+        console.print(f"  {ours} reaches {arm}'s final overall score at "
                       + ("never within the budget" if reach is None
                          else f"{reach:.0f} s = {reach / comparison['trl_final_wall_s']:.2f} of its wall time"))
 

@@ -63,7 +63,7 @@ def test_one_tiny_seed_gives_curves_for_every_arm_it_can_run(tmp_path):
     assert not (sao_run / "policy").exists()  # weights dropped once judged
     headline = result["headline"]
     if len(arms) > 1:
-        comparison = result["comparisons"]["trl-sao-lr"]
+        comparison = result["comparisons"]["sao vs trl-sao-lr"]
         assert headline["ratio"] == vs_trl.ratio(headline["value"], headline["baseline"])
         assert len(comparison["ratio_overall"]) == 2 and len(comparison["paired_at_budget"]["overall"]) <= 1
     else:
