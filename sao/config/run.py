@@ -10,7 +10,7 @@ from sao.config.section import Section, refuse_old_names
 
 
 class RunConfig(Section):
-    num_tasks: int = Field(96, ge=1, description="Tasks the feeder sends (grpo: each group_size times); the run ends "
+    num_tasks: int = Field(144, ge=1, description="Tasks the feeder sends (grpo: each group_size times); the run ends "
                                                  "when all their trajectories are trained on.")
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
     mode: Literal["async", "sync"] = Field(
