@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,14 +120,17 @@ def _add_loops(rng: random.Random, exits: dict[Cell, dict[str, Cell]], count: in
             count -= 1
 
 
-def distances(exits: dict[Cell, dict[str, Cell]], start: Cell, blocked: set[frozenset[Cell]] = frozenset()) -> dict[Cell, int]:
-    """BFS distance from `start` to every room reachable without crossing a `blocked` passage."""
-    found, queue = {start: 0}, deque([start])
+def routes(exits: dict[Cell, dict[str, Cell]], start: Cell,
+           blocked: Collection[frozenset[Cell]] = frozenset()) -> dict[Cell, tuple[int, str]]:
+    """BFS from `start` to every room reachable without crossing a `blocked` passage: its distance, and the
+    direction of the first step of a shortest path there ("" for `start` itself)."""
+    found, queue = {start: (0, "")}, deque([start])
     while queue:
         cell = queue.popleft()
-        for nxt in exits[cell].values():
+        depth, first = found[cell]
+        for direction, nxt in exits[cell].items():
             if nxt not in found and frozenset((cell, nxt)) not in blocked:
-                found[nxt] = found[cell] + 1
+                found[nxt] = (depth + 1, first or direction)
                 queue.append(nxt)
     return found
 
@@ -141,7 +145,7 @@ def build_world(spec: dict[str, Any]) -> World:
     altar = (size // 2, size // 2)
     exits = _maze(rng, size, altar)
     _add_loops(rng, exits, options["loops"])
-    depth = distances(exits, altar)
+    depth = {cell: distance for cell, (distance, _) in routes(exits, altar).items()}
     dead_ends = [c for c in sorted(exits) if len(exits[c]) == 1 and c != altar]
     dead_ends.sort(key=lambda c: -depth[c])
     far = dead_ends[: max(2 * gem_count, gem_count)]

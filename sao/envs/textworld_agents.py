@@ -10,10 +10,9 @@
 from __future__ import annotations
 
 import random
-from collections import deque
 from typing import Protocol
 
-from sao.envs.textworld import Cell, TextWorldEnv, World
+from sao.envs.textworld import Cell, TextWorldEnv, World, routes
 
 
 class Agent(Protocol):
@@ -22,34 +21,11 @@ class Agent(Protocol):
     def act(self, env: TextWorldEnv) -> str: ...
 
 
-def _first_move(world: World, locks: dict, start: Cell, goal: Cell) -> str | None:
-    """The direction of the first step of a shortest open path from start to goal."""
-    queue, first = deque([start]), {start: ""}
-    while queue:
-        cell = queue.popleft()
-        if cell == goal:
-            return first[cell]
-        for direction, nxt in world.exits[cell].items():
-            if nxt not in first and frozenset((cell, nxt)) not in locks:
-                first[nxt] = first[cell] or direction
-                queue.append(nxt)
-    return None
-
-
-def _route(world: World, locks: dict, start: Cell, goals: list[Cell]) -> tuple[Cell, str] | None:
-    """The nearest reachable goal and the first move towards it."""
-    queue, seen = deque([(start, 0)]), {start: 0}
-    while queue:
-        cell, depth = queue.popleft()
-        for nxt in world.exits[cell].values():
-            if nxt not in seen and frozenset((cell, nxt)) not in locks:
-                seen[nxt] = depth + 1
-                queue.append((nxt, depth + 1))
-    reachable = [g for g in goals if g in seen]
-    if not reachable:
-        return None
-    goal = min(reachable, key=lambda g: (seen[g], g))
-    return goal, _first_move(world, locks, start, goal) or ""
+def _first_move(world: World, locks: dict, start: Cell, goals: list[Cell]) -> str | None:
+    """The first move towards the nearest goal reachable through open doors (ties: the lowest cell), or None."""
+    found = routes(world.exits, start, blocked=locks)
+    reachable = [g for g in goals if g in found]
+    return found[min(reachable, key=lambda g: (found[g][0], g))][1] if reachable else None
 
 
 def expert_action(env: TextWorldEnv) -> str:
@@ -62,15 +38,14 @@ def expert_action(env: TextWorldEnv) -> str:
     if carried_gems:
         if here == world.altar:
             return f"put {carried_gems[0]} on altar"
-        return f"go {_first_move(world, state.locks, here, world.altar)}"
+        return f"go {_first_move(world, state.locks, here, [world.altar])}"
     remaining = [gem for gem in world.gems if gem not in state.delivered]
     for gem in remaining:
         if gem in state.items[here]:
             return f"take {gem}"
     gem_cells = [cell for cell, items in state.items.items() if any(gem in items for gem in remaining)]
-    route = _route(world, state.locks, here, gem_cells)
-    if route:
-        return f"go {route[1]}"
+    if (move := _first_move(world, state.locks, here, gem_cells)) is not None:
+        return f"go {move}"
     # Every remaining gem is behind a locked door: open the nearest door we hold the key to,
     # else fetch the nearest key that opens one.
     doors = {}  # outside cell of a locked vault -> material
@@ -81,17 +56,15 @@ def expert_action(env: TextWorldEnv) -> str:
     held = {cell: m for cell, m in doors.items() if f"{m} key" in state.inventory}
     if here in held:
         return f"unlock {held[here]} door"
-    route = _route(world, state.locks, here, sorted(held))
-    if route:
-        return f"go {route[1]}"
+    if (move := _first_move(world, state.locks, here, sorted(held))) is not None:
+        return f"go {move}"
     keys = {f"{m} key" for m in doors.values()}
     for item in state.items[here]:
         if item in keys:
             return f"take {item}"
     key_cells = [cell for cell, items in state.items.items() if keys & set(items)]
-    route = _route(world, state.locks, here, key_cells)
-    if route:
-        return f"go {route[1]}"
+    if (move := _first_move(world, state.locks, here, key_cells)) is not None:
+        return f"go {move}"
     return "look"  # unreachable in a generated world: every key lies outside the locked vaults
 
 
