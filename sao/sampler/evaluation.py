@@ -229,13 +229,6 @@ def _cached_base(path: Path | None, tasks: list[Task]) -> TaskScores | None:
     return None
 
 
-def _store_base(path: Path | None, scores: TaskScores) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps({"scores": scores}))
-
-
 def base_model_scores(scorer: Scorer, tasks: list[Task]) -> tuple[TaskScores, bool]:
     """The base model's (v0's) scores on `tasks`, from the cache when it holds them; and whether it did."""
     cache = _cache_path(scorer.config, tasks, scorer.device)
@@ -243,8 +236,9 @@ def base_model_scores(scorer: Scorer, tasks: list[Task]) -> tuple[TaskScores, bo
     if cached is not None:
         return cached, True
     scores, failures = scorer.score(0, tasks)
-    if not failures:
-        _store_base(cache, scores)
+    if cache is not None and not failures:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(cache, json.dumps({"scores": scores}))
     return scores, False
 
 
@@ -275,7 +269,8 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
     if kept is not None and kept not in (baseline, version):
         kept_scores = base if kept == 0 else scorer.score(kept, tasks)[0]
     final, _ = scorer.score(version, tasks)
-    kept_view = _kept_view(kept, version, base, final, kept_scores)
+    # The kept (best) version's scores: the final's or the base's when it is one of them (None: no kept version).
+    kept_view = final if kept == version else base if kept == baseline else kept_scores
     paired = [task.task_id for task in tasks if task.task_id in base and task.task_id in final
               and (kept_scores is None or task.task_id in kept_scores)]
     gain, gain_stderr = paired_gain([base[t]["first_try"] for t in paired], [final[t]["first_try"] for t in paired])
@@ -311,14 +306,6 @@ def compare(config: SaoConfig, run_dir: Path, version: int, baseline: int = 0, c
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
-
-
-def _kept_view(kept: int | None, final_version: int, base: TaskScores, final: TaskScores,
-               kept_scores: TaskScores | None) -> TaskScores | None:
-    """The kept (best) version's scores: the final's or the base's when it is one of them."""
-    if kept is None:
-        return None
-    return final if kept == final_version else base if kept_scores is None else kept_scores
 
 
 def _kept_figures(kept: int | None, base: TaskScores, scores: TaskScores | None, paired: list[str]) -> dict:
