@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
@@ -54,7 +53,6 @@ class Grade:
     status: str
     detail: str  # what went wrong, for the policy ("" when passed)
     wall_s: float  # the sandbox run
-    verdict_s: float  # check() on the results, here
 
 
 class _ReplyFailed(Exception):
@@ -97,9 +95,8 @@ def grade(problem_id: str, problem: dict[str, str], solution: str, limits: Sandb
     entry_point = problem["entry_point"]
     program = f"{HARNESS_SOURCE}\nrun_calls({solution!r}, {entry_point!r}, {recorded.calls_literal})\n"
     result = run_python(program, limits, stdout_chars=RESULTS_CHARS)
-    began = time.monotonic()
     status, detail = _verdict(recorded, entry_point, result, limits)
-    return Grade(status, _short(detail, DETAIL_CHARS), result.wall_s, time.monotonic() - began)
+    return Grade(status, _short(detail, DETAIL_CHARS), result.wall_s)
 
 
 def _outcomes(stdout: str) -> list[dict]:
