@@ -9,6 +9,7 @@ deadlock on a lock another thread held.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -106,7 +107,9 @@ def _launch(source: str, plan: dict, timeout_s: float,
             # Also on any exception while waiting (e.g. the env guard's SIGALRM): killing the
             # launcher's group makes its init die (PDEATHSIG), which tears the pid namespace down.
             if launcher.poll() is None:
-                _kill_group(launcher)
+                with contextlib.suppress(ProcessLookupError):  # it ended between poll() and here
+                    os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
     return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr), in_cgroup
 
 
@@ -135,14 +138,6 @@ def _report(returncode: int, stdout: bytes, stderr: bytes, oom_kills: int) -> di
     if stderr:
         log.debug("sandbox launcher: %s", stderr.decode(errors="replace")[-2000:])
     return report
-
-
-def _kill_group(launcher: subprocess.Popen) -> None:
-    try:
-        os.killpg(launcher.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # it ended between poll() and here
-    launcher.wait()
 
 
 @cache

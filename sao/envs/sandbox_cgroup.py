@@ -13,6 +13,7 @@ then the only bound on the whole sandbox is its rlimits, max_processes x memory_
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -164,10 +165,8 @@ def _remove_stale(parent: Path) -> None:
             pass
         except (OSError, ValueError):
             continue
-        try:
+        with contextlib.suppress(OSError):  # not empty: something still runs in it; leave it be
             directory.rmdir()
-        except OSError:
-            pass  # not empty: something still runs in it; leave it be
 
 
 def _cgroup_mounts() -> dict[str, Path]:

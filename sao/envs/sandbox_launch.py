@@ -223,10 +223,6 @@ def private_filesystem(max_file_mb: int, interpreter_paths: list[str]) -> list[s
     return layers + ["tmpfs"]
 
 
-def _reachable(path: str) -> bool:
-    return _blocked_ancestor(path) is None
-
-
 def set_limits(limits: dict, own_uid: bool) -> None:
     cpu = max(1, int(-(-limits["cpu_time_s"] // 1)))
     mebibyte = 1 << 20
@@ -345,7 +341,7 @@ def main() -> None:
         scratch, output_dir = SCRATCH, OUTPUT_DIR
         os.mkdir(scratch, 0o700)
     else:
-        if root and not all(map(_reachable, interpreter_paths)):
+        if root and any(map(_blocked_ancestor, interpreter_paths)):
             raise SystemExit(f"sandbox: cannot drop root: {python} is not reachable by other users and "
                              "no mount namespace is available to expose it")
         import tempfile  # fallback only: scratch space in the host's /tmp, removed afterwards
