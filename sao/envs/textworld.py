@@ -58,14 +58,8 @@ MAX_STEPS = 100_000
 EVAL_SEED_OFFSET = 1_000_003  # held-out worlds: a seed no training run uses by default (as in arithmetic)
 
 
-def _with_article(name: str, article: str = "a") -> str:
-    if article == "a" and name[0] in "aeiou":
-        article = "an"
-    return f"{article} {name}"
-
-
 def _listing(names: list[str], article: str = "a") -> str:
-    names = [_with_article(n, article) for n in names]
+    names = [f"{'an' if article == 'a' and name[0] in 'aeiou' else article} {name}" for name in names]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
@@ -317,10 +311,8 @@ class TextWorldEnv:
             verb, rest = "go", verb
         if verb == "go":
             return self._go({"n": "north", "s": "south", "e": "east", "w": "west"}.get(rest, rest)), 0.0
-        if verb == "take":
-            return self._take(rest), 0.0
-        if verb == "drop":
-            return self._drop(rest), 0.0
+        if verb in ("take", "drop"):
+            return self._carry(verb, rest), 0.0
         if verb == "put":
             return self._put(rest.removesuffix(" on the altar").removesuffix(" on altar").removeprefix("the "))
         if verb == "unlock":
@@ -343,21 +335,16 @@ class TextWorldEnv:
         state.position = nxt
         return f"You go {direction}.\n{self.describe()}"
 
-    def _take(self, item: str) -> str:
-        state = self.state
-        if item not in state.items[state.position]:
-            return f"There is no {item} here." if item else "Take what?"
-        state.items[state.position].remove(item)
-        state.inventory.append(item)
-        return f"You take the {item}."
-
-    def _drop(self, item: str) -> str:
-        state = self.state
-        if item not in state.inventory:
-            return f"You are not carrying {item}." if item else "Drop what?"
-        state.inventory.remove(item)
-        state.items[state.position].append(item)
-        return f"You drop the {item}."
+    def _carry(self, verb: str, item: str) -> str:
+        """`take` moves an item from the room into the inventory, `drop` the other way."""
+        room, inventory = self.state.items[self.state.position], self.state.inventory
+        source, target = (room, inventory) if verb == "take" else (inventory, room)
+        if item not in source:
+            missing = f"There is no {item} here." if verb == "take" else f"You are not carrying {item}."
+            return missing if item else f"{verb.capitalize()} what?"
+        source.remove(item)
+        target.append(item)
+        return f"You {verb} the {item}."
 
     def _put(self, item: str) -> tuple[str, float]:
         world, state = self._require_started()
