@@ -163,8 +163,7 @@ def _draw_value(rng: random.Random, held_out: bool, taken: set[str], make) -> st
 
 
 def _name(rng: random.Random) -> str:
-    return (rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) + rng.choice(ONSETS)
-            + rng.choice(VOWELS)).capitalize()
+    return "".join(rng.choice(letters) for letters in (ONSETS, VOWELS, CODAS, ONSETS, VOWELS)).capitalize()
 
 
 def _code(rng: random.Random) -> str:
