@@ -51,8 +51,7 @@ def _dataset(name: str, size: int, seed: int, options: tuple[tuple[str, Any], ..
     # Slow to import (seconds): imported when tasks are made, not by whoever only reads the class (the trainer).
     import reasoning_gym
 
-    kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in options}
-    return reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+    return reasoning_gym.create_dataset(name, size=size, seed=seed, **dict(options))
 
 
 def check_dataset_options(name: str, options: dict[str, Any]) -> None:
@@ -74,15 +73,15 @@ def check_dataset_options(name: str, options: dict[str, Any]) -> None:
             near = difflib.get_close_matches(option, known, n=1)
             raise ConfigError(f"env.dataset_options.{option}: {name} has no such option"
                               + (f" (did you mean {near[0]}?)" if near else "") + f"; its options: {', '.join(known)}")
-    kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in options.items()}
     try:
-        dataset_config = config_class(**kwargs, size=_BLOCK)
+        dataset_config = config_class(**dict(_options_key(options)), size=_BLOCK)
         dataset_config.validate()
     except (AssertionError, TypeError, ValueError) as err:
         raise ConfigError(f"env.dataset_options of {name} {options}: {err or type(err).__name__}") from err
 
 
 def _options_key(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Dataset options as a hashable key, lists as the tuples reasoning-gym's configs take."""
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
 
 
