@@ -252,48 +252,42 @@ def summary_table(summary: dict, run_dir: Path | None = None) -> Table:
 def decision_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """(figure, value) rows: held-out success base -> final -> kept with their gains, the skill, the cost."""
     get = summary.get
+
+    def show(key: str, spec: str | None = None) -> str:
+        return _fmt(get(key), spec)
+
     rows: list[tuple[str, str]] = []
     if get("heldout_n"):
-        rows.append((f"held-out first-try success, base v0 -> final v{_fmt(get('policy_version'))}",
-                     f"{_fmt(get('heldout_base'))} -> {_fmt(get('heldout_final'))} (gain "
-                     f"{_signed(get('heldout_gain'))} ± {_fmt(get('heldout_gain_stderr'))}, n={get('heldout_n')})"))
+        rows.append((f"held-out first-try success, base v0 -> final v{show('policy_version')}",
+                     f"{show('heldout_base')} -> {show('heldout_final')} (gain {show('heldout_gain', '+.4g')} ± "
+                     f"{show('heldout_gain_stderr')}, n={show('heldout_n')})"))
         if get("heldout_kept") is not None and get("kept_version") not in (None, get("policy_version")):
-            rows.append((f"kept by shadow validation: v{get('kept_version')}",
-                         f"{_fmt(get('heldout_kept'))} (gain {_signed(get('heldout_kept_gain'))} ± "
-                         f"{_fmt(get('heldout_kept_gain_stderr'))}; RUN_DIR/policy/best)"))
+            rows.append((f"kept by shadow validation: v{show('kept_version')}",
+                         f"{show('heldout_kept')} (gain {show('heldout_kept_gain', '+.4g')} ± "
+                         f"{show('heldout_kept_gain_stderr')}; RUN_DIR/policy/best)"))
         if get("heldout_skill"):
-            rows.append((f"skill {get('heldout_skill')}, base -> final",
-                         f"{_fmt(get('heldout_skill_base'))} -> {_fmt(get('heldout_skill_final'))} (gain "
-                         f"{_signed(get('heldout_skill_final_gain'))} ± "
-                         f"{_fmt(get('heldout_skill_final_gain_stderr'))}, n={_fmt(get('heldout_skill_n'))})"))
-            rows.append(("format-only ceiling", _fmt(get("heldout_format_ceiling"))))
+            rows.append((f"skill {show('heldout_skill')}, base -> final",
+                         f"{show('heldout_skill_base')} -> {show('heldout_skill_final')} (gain "
+                         f"{show('heldout_skill_final_gain', '+.4g')} ± {show('heldout_skill_final_gain_stderr')}, "
+                         f"n={show('heldout_skill_n')})"))
+            rows.append(("format-only ceiling", show("heldout_format_ceiling")))
         if get("heldout_second_try_n") or get("heldout_second_try_base_n"):
             rows.append(("second-try success after a wrong first, base -> final",
-                         f"{_fmt(get('heldout_second_try_base'))} (n={_fmt(get('heldout_second_try_base_n'))}) -> "
-                         f"{_fmt(get('heldout_second_try_final'))} (n={_fmt(get('heldout_second_try_n'))})"))
+                         f"{show('heldout_second_try_base')} (n={show('heldout_second_try_base_n')}) -> "
+                         f"{show('heldout_second_try_final')} (n={show('heldout_second_try_n')})"))
     else:
         rows.append(("held-out evaluation", "none (run.heldout_eval = false, nothing published, or it failed)"))
-    rows += [
-        ("sampled reward, first -> last version",
-         f"{_fmt(get('reward_first_version'))} -> {_fmt(get('reward_last_version'))}"),
-        ("trajectories trained / produced", f"{_fmt(get('trajectories_trained'))} / {_fmt(get('trajectories_produced'))}"
-         f" ({_fmt(get('dead_lettered'))} dead-lettered)"),
-        ("optimizer steps, last version", f"{_fmt(get('trainer_steps'))}, v{_fmt(get('policy_version'))}"),
-        ("wall time of training", f"{_fmt(get('duration_s'))} s"),
-        ("throughput", f"{_fmt(get('trajectories_per_s'))} trajectories/s"),
-        ("CPU busy", f"{_percent(get('cpu_utilisation'))} of {_fmt(get('cores'))} cores"),
-        ("mean staleness", f"{_fmt(get('staleness_mean'))} versions"),
-        ("peak memory, trainer / sampler", f"{_fmt(get('trainer_peak_rss_mb'))} / {_fmt(get('sampler_peak_rss_mb'))} MiB"),
+    return rows + [
+        ("sampled reward, first -> last version", f"{show('reward_first_version')} -> {show('reward_last_version')}"),
+        ("trajectories trained / produced",
+         f"{show('trajectories_trained')} / {show('trajectories_produced')} ({show('dead_lettered')} dead-lettered)"),
+        ("optimizer steps, last version", f"{show('trainer_steps')}, v{show('policy_version')}"),
+        ("wall time of training", f"{show('duration_s')} s"),
+        ("throughput", f"{show('trajectories_per_s')} trajectories/s"),
+        ("CPU busy", f"{show('cpu_utilisation', '.0%')} of {show('cores')} cores"),
+        ("mean staleness", f"{show('staleness_mean')} versions"),
+        ("peak memory, trainer / sampler", f"{show('trainer_peak_rss_mb')} / {show('sampler_peak_rss_mb')} MiB"),
     ]
-    return rows
-
-
-def _percent(value: Any) -> str:
-    return f"{value:.0%}" if isinstance(value, (int, float)) and math.isfinite(value) else _fmt(value)
-
-
-def _signed(value: Any) -> str:
-    return f"{value:+.4g}" if isinstance(value, (int, float)) and math.isfinite(value) else _fmt(value)
 
 
 # --- plots -------------------------------------------------------------------------------------
@@ -401,15 +395,16 @@ def _save(fig, path: Path, plt) -> None:
 
 # --- text --------------------------------------------------------------------------------------
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, spec: str | None = None) -> str:
+    """A figure as text: a float to 4 significant digits, or any finite number by `spec` (signed, percent...)."""
     if value is None:
         return "-"
     if isinstance(value, list):
         return f"{len(value)} entries, below"
     if isinstance(value, dict):
         return ", ".join(f"{key} {_fmt(item)}" for key, item in value.items())
-    if isinstance(value, float):
-        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, (int, float)) and math.isfinite(value) and (spec or isinstance(value, float)):
+        return format(value, spec or ".4g")
     return str(value)
 
 
@@ -536,7 +531,7 @@ def time_lines(trainer: dict[str, Any], samplers: dict[str, dict], steps: list[S
              "| process | phase | seconds | share |", "|---|---|---:|---:|"]
     for process, phases in (("trainer", trainer_phases(trainer, steps)), ("sampler", sampler_phases(samplers))):
         total = sum(phases.values())
-        lines += [f"| {process} | {name} | {_fmt(seconds)} | {_percent(_ratio(seconds, total))} |"
+        lines += [f"| {process} | {name} | {_fmt(seconds)} | {_fmt(_ratio(seconds, total), '.0%')} |"
                   for name, seconds in phases.items()]
     scorer = shadow_figures(trainer)["shadow_scorer_cpu_s"]
     return [*lines, "", f"The shadow scorer, a process of its own, used {_fmt(scorer)} CPU seconds.", ""]
