@@ -127,12 +127,6 @@ def attempts_by_version(steps: list[StepRecord]) -> list[dict[str, Any]]:
             for version, (firsts, seconds) in sorted(groups.items())]
 
 
-def _heldout_figures(layout: RunDir) -> dict[str, Any]:
-    """The paired held-out comparison that ends `sao run` (None each when it did not run)."""
-    result = read_status(layout.heldout)
-    return {key: result.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS + KEPT_KEYS + SKILL_KEYS}
-
-
 def shadow_figures(trainer: dict[str, Any]) -> dict[str, Any]:
     """Shadow validation's board as the trainer left it: scores by version, the best, drops, rollbacks."""
     board = trainer.get("shadow") or {}
@@ -194,8 +188,10 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
     rewards = per_trajectory(steps, "rewards")
     versions = per_trajectory(steps, "behaviour_versions")
     by_version = reward_by_version(steps)
+    heldout = read_status(layout.heldout)
     return {
-        **_heldout_figures(layout),
+        # The paired held-out comparison that ends `sao run` (None each when it did not run).
+        **{key: heldout.get(key) for key in HELDOUT_KEYS + SECOND_TRY_KEYS + KEPT_KEYS + SKILL_KEYS},
         **shadow_figures(trainer),
         "reward_first_version": by_version[0]["mean"] if by_version else None,
         "reward_last_version": by_version[-1]["mean"] if by_version else None,
