@@ -47,11 +47,8 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
 
 def _rolling_mean(values: list[float], window: int) -> list[float]:
     """Mean of the last `window` finite values at each point (NaN where there are none)."""
-    out = []
-    for i in range(len(values)):
-        recent = finite(values[max(0, i - window + 1):i + 1])
-        out.append(sum(recent) / len(recent) if recent else float("nan"))
-    return out
+    means = [mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+    return [float("nan") if m is None else m for m in means]
 
 
 def _window(count: int) -> int:
@@ -510,15 +507,14 @@ def trainer_phases(trainer: dict[str, Any], steps: list[StepRecord]) -> dict[str
 def sampler_phases(samplers: dict[str, dict]) -> dict[str, float]:
     """A sampler's wall seconds by phase (mean over samplers): with an episode live (generating, compressing,
     stepping the env, producing), loading versions, idle with none live, and start-up before its loop."""
-    rows = [s for s in samplers.values() if all(isinstance(s.get(k), (int, float)) for k in ("run_s", "wall_s"))]
+    rows = [{key: float(s.get(key) or 0.0) for key in ("run_s", "wall_s", "idle_s", "reload_s")}
+            for s in samplers.values() if all(isinstance(s.get(k), (int, float)) for k in ("run_s", "wall_s"))]
     if not rows:
         return {}
-    def part(sampler: dict, key: str) -> float:
-        return float(sampler.get(key) or 0.0)
-    return {"episodes live": mean([part(s, "run_s") - part(s, "idle_s") - part(s, "reload_s") for s in rows]),
-            "loading versions": mean([part(s, "reload_s") for s in rows]),
-            "idle, no episode live": mean([part(s, "idle_s") for s in rows]),
-            "start-up": mean([part(s, "wall_s") - part(s, "run_s") for s in rows])}
+    return {"episodes live": mean([s["run_s"] - s["idle_s"] - s["reload_s"] for s in rows]),
+            "loading versions": mean([s["reload_s"] for s in rows]),
+            "idle, no episode live": mean([s["idle_s"] for s in rows]),
+            "start-up": mean([s["wall_s"] - s["run_s"] for s in rows])}
 
 
 def time_lines(trainer: dict[str, Any], samplers: dict[str, dict], steps: list[StepRecord]) -> list[str]:
