@@ -602,13 +602,10 @@ def _markdown(run_dir: Path, summary: dict[str, Any], trainer: dict[str, Any], s
     ]
     if samplers:
         lines += ["## Samplers", "", "| sampler | produced | tokens | reloads | mean rollout s | policy version |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for name, status in samplers.items():
-            produced = status.get("produced", 0)
-            rollout = status.get("rollout_s", 0.0) / produced if produced else None
-            lines.append(f"| {name} | {produced} | {status.get('tokens', 0)} | {status.get('reloads', 0)} | "
-                         f"{_fmt(rollout)} | {status.get('policy_version', 0)} |")
-        lines.append("")
+                  "|---|---:|---:|---:|---:|---:|",
+                  *[f"| {name} | {s.get('produced', 0)} | {s.get('tokens', 0)} | {s.get('reloads', 0)} | "
+                    f"{_fmt(_ratio(s.get('rollout_s', 0.0), s.get('produced', 0)))} | {s.get('policy_version', 0)} |"
+                    for name, s in samplers.items()], ""]
     progress = TrainerProgress.from_status(trainer)
     reasons = progress.dlq_reasons
     lines += ["## Dead letters", ""]
