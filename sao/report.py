@@ -36,7 +36,10 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
     trainer = read_status(layout.status("trainer"))
     samplers = read_all_status(layout.status_dir, "sampler-")
     steps = trainer_steps(trainer)
-    max_staleness = _config_value(layout, "trainer", "max_staleness")
+    try:  # the staleness budget, for its plot and text; none where config.toml is missing or unreadable
+        max_staleness = tomllib.loads(layout.config.read_text()).get("trainer", {}).get("max_staleness")
+    except (FileNotFoundError, tomllib.TOMLDecodeError):
+        max_staleness = None
     layout.plots.mkdir(parents=True, exist_ok=True)
     _plot_all(steps, max_staleness, layout.plots, summary)
     layout.report.write_text(_markdown(layout.root, summary, trainer, samplers, steps, max_staleness))
@@ -399,13 +402,6 @@ def _fmt(value: Any, spec: str | None = None) -> str:
     if isinstance(value, (int, float)) and math.isfinite(value) and (spec or isinstance(value, float)):
         return format(value, spec or ".4g")
     return str(value)
-
-
-def _config_value(run_dir: RunDir, section: str, key: str) -> Any:
-    try:
-        return tomllib.loads(run_dir.config.read_text()).get(section, {}).get(key)
-    except (FileNotFoundError, tomllib.TOMLDecodeError):
-        return None
 
 
 def _heldout_sentence(summary: dict[str, Any]) -> str:
