@@ -136,9 +136,6 @@ def shadow_figures(trainer: dict[str, Any]) -> dict[str, Any]:
             "shadow_snapshot_s": board.get("snapshot_s")}
 
 
-ROLES = ("trainer", "samplers", "broker", "launcher")
-
-
 def _ratio(part: Any, whole: Any) -> float | None:
     return part / whole if isinstance(part, (int, float)) and isinstance(whole, (int, float)) and whole > 0 else None
 
@@ -155,7 +152,7 @@ def cpu_accounting(layout: RunDir, trainer: dict[str, Any], samplers: dict[str, 
     sampler_cpu = [s["cpu_s"] for s in samplers.values() if "cpu_s" in s]
     seconds = {"trainer": trainer.get("cpu_s"), "samplers": sum(sampler_cpu) if sampler_cpu else None,
                "broker": launcher.get("broker_cpu_s"), "launcher": launcher.get("cpu_s")}
-    busy: dict[str, float | None] = {role: _ratio(seconds[role], duration_s) for role in ROLES}
+    busy: dict[str, float | None] = {role: _ratio(cpu_s, duration_s) for role, cpu_s in seconds.items()}
     known = [value for value in busy.values() if value is not None]
     busy["total"] = sum(known) if known else None
     cores = launcher.get("cores")
