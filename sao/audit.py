@@ -168,18 +168,14 @@ def audit(config: SaoConfig, run_dir: RunDir, bootstrap: str, finished: bool | N
             report.foreign_cluster = recorded
             report.notes.append(f"the broker read here is Kafka cluster {current!r}, not {recorded!r}, which {where}: "
                                 "these topics are not the run's log (a restarted in-memory broker?)")
-    fed_by_run = _fed_by_run(run_dir, ledger)
+    # Task copies the run itself says it fed: what its feeder counted (`sao run`), at least what it trained.
+    fed = read_status(run_dir.status("feeder")).get("fed")
+    fed_by_run = max(fed if _is_count(fed) else 0, len(ledger.times_trained()))
     report.unaccounted = fed_by_run if report.foreign_cluster else max(0, fed_by_run - report.fed)
     if report.unaccounted:
         report.notes.append(f"the broker cannot account for {report.unaccounted} of the {fed_by_run} task copies the "
                             "run fed (its feeder's status and its ledger): they are lost with the broker's log")
     return report
-
-
-def _fed_by_run(run_dir: RunDir, ledger: Ledger) -> int:
-    """Task copies the run itself says it fed: what its feeder counted (`sao run`), at least what it trained."""
-    fed = read_status(run_dir.status("feeder")).get("fed")
-    return max(fed if _is_count(fed) else 0, len(ledger.times_trained()))
 
 
 def classify(scan: TopicScan, ledger: Ledger, checkpoint: dict[str, Any] | None, finished: bool, max_reuse: int,
