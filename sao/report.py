@@ -156,10 +156,9 @@ def cpu_accounting(layout: RunDir, trainer: dict[str, Any], samplers: dict[str, 
     known = [value for value in busy.values() if value is not None]
     busy["total"] = sum(known) if known else None
     cores = launcher.get("cores")
-    sampler_idle = [_ratio(s.get("idle_s"), s.get("run_s")) for s in samplers.values()]
     return {"cpu_cores_busy": busy, "cpu_utilisation": _ratio(busy["total"], cores), "cores": cores,
             "trainer_idle_ratio": _ratio(trainer.get("idle_s"), trainer.get("run_s")),
-            "sampler_idle_ratio": mean([r for r in sampler_idle if r is not None])}
+            "sampler_idle_ratio": mean([_ratio(s.get("idle_s"), s.get("run_s")) for s in samplers.values()])}
 
 
 def tasks_fed(config: SaoConfig, layout: RunDir) -> int:
