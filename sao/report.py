@@ -229,15 +229,13 @@ def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
     }
 
 
-def summary_table(summary: dict, run_dir: Path | None = None) -> Table:
+def summary_table(summary: dict, run_dir: Path) -> Table:
     """What `sao run` prints at its end: the figures a user decides on, one screen at most (docs/summary.md
     says what every key of summary.json means; report.md has them all)."""
     table = Table("figure", Column("value", justify="right"),
                   title="sao run summary (every figure: summary.json, report.md; their meaning: docs/summary.md)")
-    for name, value in decision_rows(summary):
+    for name, value in [*decision_rows(summary), ("run directory", str(run_dir))]:
         table.add_row(name, value)
-    if run_dir is not None:
-        table.add_row("run directory", str(run_dir))
     return table
 
 
