@@ -64,13 +64,12 @@ def run(config: SaoConfig, console: Console) -> dict:
     started, launcher_cpu_at_start = time.time(), own_cpu_seconds()
     broker = None
     broker_cpu_s: float | None = None
-    if config.broker.bootstrap_servers is None:
+    bootstrap = config.broker.bootstrap_servers
+    if bootstrap is None:
         broker = EmbeddedBroker(port=config.broker.embedded_port or None, log_path=run_dir.log("broker"),
                                 die_with_parent=True)
         bootstrap = broker.start()
         console.print(f"embedded broker at [bold]{bootstrap}[/] (in-memory storage)")
-    else:
-        bootstrap = config.broker.bootstrap_servers
     processes: dict[str, subprocess.Popen] = {}
     # SIGTERM must unwind like Ctrl-C so the finally below stops the children and the broker.
     signal.signal(signal.SIGTERM, _raise_interrupt)
