@@ -72,7 +72,7 @@ def run(config: SaoConfig, console: Console) -> dict:
         console.print(f"embedded broker at [bold]{bootstrap}[/] (in-memory storage)")
     processes: dict[str, subprocess.Popen] = {}
     # SIGTERM must unwind like Ctrl-C so the finally below stops the children and the broker.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         ensure_topics(bootstrap, topic_partitions(config))
         processes = _start_processes(config, bootstrap, run_dir)
@@ -272,10 +272,6 @@ def _progress(samplers: dict[str, dict], trainer: dict) -> tuple:
     progress = TrainerProgress.from_status(trainer)
     scores = len((trainer.get("shadow") or {}).get("scores", {}))
     return sampler_work, progress.trajectories_trained, progress.dead_lettered, progress.step, scores
-
-
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt("SIGTERM")
 
 
 def _stop_all(processes: dict[str, subprocess.Popen], timeout: float = 20.0) -> None:
