@@ -165,9 +165,7 @@ def tasks_fed(config: SaoConfig, layout: RunDir) -> int:
     """Tasks the feeder sent, from its progress file (a run stopped by run.max_minutes sends fewer than
     run.num_tasks; grpo sends each task group_size times); run.num_tasks where the file is missing."""
     fed = read_status(layout.status("feeder")).get("fed")
-    if not isinstance(fed, int):
-        return config.run.num_tasks
-    return fed // config.trainer.algorithm.copies_per_task
+    return fed // config.trainer.algorithm.copies_per_task if isinstance(fed, int) else config.run.num_tasks
 
 
 def build_summary(config: SaoConfig, run_dir: Path, duration_s: float) -> dict:
