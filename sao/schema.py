@@ -27,12 +27,11 @@ from sao.dead_letters import DeadLetterReason
 # 2: a trajectory's steps as columns (one token buffer, one log-prob buffer) instead of three arrays per step.
 SCHEMA_VERSION = 2
 
-# The only dtypes a reader accepts; anything else is a malformed message, not a surprise.
-_ALLOWED_DTYPES = {"<i4": np.int32, "<f4": np.float32, "|i1": np.int8}
-# The little-endian dtype string, item size and numpy dtype a reader expects for each of them (the
-# dtype itself, so that frombuffer need not parse the string for every array).
-_LITTLE_ENDIAN = {kind: (string, np.dtype(string).itemsize, np.dtype(string))
-                  for string, kind in _ALLOWED_DTYPES.items()}
+# The only dtypes a reader accepts (anything else is a malformed message, not a surprise): for each numpy type, the
+# little-endian dtype string, item size and dtype a reader expects (the dtype itself, so that frombuffer need not
+# parse the string for every array).
+_LITTLE_ENDIAN = {np.dtype(string).type: (string, np.dtype(string).itemsize, np.dtype(string))
+                  for string in ("<i4", "<f4", "|i1")}
 # Stands for a missing key, so `_get` looks a field up once.
 _MISSING = object()
 # Log-probs above this (float32 slack over 0) are not log-probabilities.
@@ -149,12 +148,10 @@ class Step:
     memory_count: int
     recalled: tuple[int, ...] = ()
 
-    def check_values(self, index: int) -> None:
-        """Log-probs finite and <= 0 (with float32 slack), reward finite."""
-        logprobs = self.behaviour_logprobs
-        _require(bool(np.isfinite(logprobs).all() and (logprobs <= _MAX_LOGPROB).all()),
-                 f"steps[{index}].behaviour_logprobs", "log-probs must be finite and <= 0")
-        _require(math.isfinite(self.reward), f"steps[{index}].reward", "must be finite")
+
+# The memory table's arrays, in wire order: each one's dtype and number of dimensions.
+_MEMORY_ARRAYS = {"vectors": (np.int8, 2), "scales": (np.float32, 1), "spans": (np.int32, 2),
+                  "reward_sums": (np.float32, 1)}
 
 
 @dataclass(frozen=True)
@@ -176,18 +173,13 @@ class Memory:
         return self.vectors[:count].astype(np.float32) * self.scales[:count, None]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"vectors": pack_array(self.vectors, np.int8), "scales": pack_array(self.scales, np.float32),
-                "spans": pack_array(self.spans, np.int32), "reward_sums": pack_array(self.reward_sums, np.float32)}
+        return {name: pack_array(getattr(self, name), dtype) for name, (dtype, _) in _MEMORY_ARRAYS.items()}
 
     @classmethod
     def from_wire(cls, obj: Any) -> Memory:
         _require(isinstance(obj, dict), "memory", "expected a map")
-        memory = cls(
-            vectors=unpack_array(obj.get("vectors"), "memory.vectors", np.int8, 2),
-            scales=unpack_array(obj.get("scales"), "memory.scales", np.float32, 1),
-            spans=unpack_array(obj.get("spans"), "memory.spans", np.int32, 2),
-            reward_sums=unpack_array(obj.get("reward_sums"), "memory.reward_sums", np.float32, 1),
-        )
+        memory = cls(**{name: unpack_array(obj.get(name), f"memory.{name}", dtype, ndim)
+                        for name, (dtype, ndim) in _MEMORY_ARRAYS.items()})
         slots = len(memory.vectors)
         _require(len(memory.scales) == slots and len(memory.spans) == slots and len(memory.reward_sums) == slots,
                  "memory", "vectors, scales, spans and reward_sums must have the same length")
@@ -295,7 +287,10 @@ def _steps_from_wire(columns: Any, recent_window: int) -> tuple[list[Step], np.n
     # only when it fails do the steps go one by one, to name the first bad one.
     if not (logprobs.min() > -math.inf and logprobs.max() <= _MAX_LOGPROB and all(map(math.isfinite, rewards))):
         for i, step in enumerate(steps):
-            step.check_values(i)
+            own = step.behaviour_logprobs
+            _require(bool(np.isfinite(own).all() and (own <= _MAX_LOGPROB).all()),
+                     f"steps[{i}].behaviour_logprobs", "log-probs must be finite and <= 0")
+            _require(math.isfinite(step.reward), f"steps[{i}].reward", "must be finite")
     return steps, token_ids, logprobs
 
 
