@@ -43,9 +43,6 @@ _IN_FLIGHT_CHUNKS = 8
 _SEND_TIMEOUT_S = 120.0
 # What the reader's consumer queues ahead of the fetch (librdkafka's queued.max.messages.kbytes).
 _QUEUED_KBYTES = 32 * 1024
-# The trainer publishes a delta only while it is at most this share of a whole file (else the file is whole):
-# retention is sized on that worst case.
-_WORST_DELTA_PER_SNAPSHOT = DELTA_MAX_SNAPSHOT_SHARE
 _MAX_SEGMENT_BYTES = 1 << 30
 
 
@@ -69,7 +66,9 @@ def weights_topic_config(snapshot_bytes: int, chain_length: int, chunk_bytes: in
     is not deleted under it. Never by age: a paused run must not lose its snapshot. Segments are about a
     snapshot large, since Kafka deletes whole segments.
     """
-    chain = snapshot_bytes * (1 + _WORST_DELTA_PER_SNAPSHOT * (chain_length - 1))
+    # The trainer publishes a delta only while it is at most DELTA_MAX_SNAPSHOT_SHARE of a whole file (else the file
+    # is whole): retention is sized on that worst case.
+    chain = snapshot_bytes * (1 + DELTA_MAX_SNAPSHOT_SHARE * (chain_length - 1))
     segment = min(max(snapshot_bytes, 4 * chunk_bytes), _MAX_SEGMENT_BYTES)
     return {"max.message.bytes": str(MAX_MESSAGE_BYTES), "cleanup.policy": "delete", "retention.ms": "-1",
             "retention.bytes": str(int(2 * chain) + segment), "segment.bytes": str(segment)}
