@@ -9,6 +9,7 @@ listener.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -140,14 +141,6 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
-def _answers_metadata(admin: AdminClient, timeout: float) -> bool:
-    try:
-        admin.list_topics(timeout=timeout)
-        return True
-    except KafkaException:
-        return False
-
-
 def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeout: float, log_hint: str) -> None:
     """Wait until a freshly spawned broker answers metadata; fail fast if it exits."""
     deadline = time.monotonic() + timeout
@@ -165,8 +158,10 @@ def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeo
         # during the moment the binary needs to start.
         if _port_open(host, port):
             admin = admin or _admin(f"{host}:{port}")
-            if _answers_metadata(admin, 0.5) and proc.poll() is None:
-                return
+            with contextlib.suppress(KafkaException):  # no metadata yet: ask again
+                admin.list_topics(timeout=0.5)
+                if proc.poll() is None:
+                    return
         time.sleep(0.05)
 
 

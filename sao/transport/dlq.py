@@ -46,7 +46,9 @@ class DeadLetterQueue:
 
         A reason outside the vocabulary raises ValueError: readers and docs know only those codes."""
         reason = DeadLetterReason(reason)
-        headers = _headers(reason, detail, source_topic, partition, offset)
+        headers = [(name, str(text).encode()) for name, text in (
+            (REASON_HEADER, reason), (DETAIL_HEADER, detail), (SOURCE_TOPIC_HEADER, source_topic),
+            (SOURCE_PARTITION_HEADER, partition), (SOURCE_OFFSET_HEADER, offset)) if text is not None]
         log.warning("Dead-lettering a message from %s[%s]@%s to %s: %s %s",
                     source_topic, partition, offset, self.topic, reason, detail)
         self.producer.produce(self.topic, value=value, key=key, headers=headers, on_delivery=self._on_delivery)
@@ -68,18 +70,6 @@ class DeadLetterQueue:
         self.pending -= 1
         if error is not None:
             log.error("Could not write to dead-letter topic %s: %s; the message is lost", self.topic, error.str())
-
-
-def _headers(reason: str, detail: str, source_topic: str | None, partition: int | None,
-             offset: int | None) -> list[tuple[str, bytes]]:
-    headers = [(REASON_HEADER, reason.encode()), (DETAIL_HEADER, detail.encode())]
-    if source_topic is not None:
-        headers.append((SOURCE_TOPIC_HEADER, source_topic.encode()))
-    if partition is not None:
-        headers.append((SOURCE_PARTITION_HEADER, str(partition).encode()))
-    if offset is not None:
-        headers.append((SOURCE_OFFSET_HEADER, str(offset).encode()))
-    return headers
 
 
 def describe_dlq_message(msg: Message) -> dict[str, Any]:

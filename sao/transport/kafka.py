@@ -158,7 +158,8 @@ class RenewingProducer:
 
     def unacknowledged(self) -> list[tuple[str, str]]:
         """(topic, key) of every message handed over and not yet acknowledged, oldest first."""
-        return [(m.topic, _as_text(m.key)) for m in self._unacknowledged.values()]
+        return [(m.topic, m.key.decode(errors="replace") if isinstance(m.key, bytes) else str(m.key))
+                for m in self._unacknowledged.values()]
 
     def _send(self, message: _Outgoing) -> None:
         ident = self._next_id
@@ -208,10 +209,6 @@ class _Outgoing:
     key: bytes | str | None
     headers: Headers | None
     on_delivery: DeliveryCallback | None
-
-
-def _as_text(key: bytes | str | None) -> str:
-    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
 
 
 def deliver_and_wait(producer: Producer | RenewingProducer, topic: str, value: bytes | None,
@@ -293,8 +290,19 @@ def iter_all(bootstrap: str, topic: str, timeout: float = 5.0, quiet_period: flo
     # lists the bucket on each fetch) often returned nothing for longer than any quiet period.
     consumer = make_consumer(bootstrap, group_id, **{"fetch.wait.max.ms": _READ_ALL_FETCH_WAIT_MS})
     try:
-        if assign_from_start(consumer, topic, timeout):
-            yield from _drain(consumer, timeout, quiet_period)
+        if not assign_from_start(consumer, topic, timeout):
+            return
+        deadline = time.monotonic() + timeout
+        last_arrival = time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - last_arrival < quiet_period:
+            msg = consumer.poll(0.1)
+            if msg is None:  # an empty value is falsy, so compare with None
+                continue
+            if msg.error() is not None:
+                log.warning("Error while reading %s: %s", msg.topic(), msg.error())
+                continue
+            last_arrival = time.monotonic()
+            yield msg
     finally:
         consumer.close()
 
@@ -306,17 +314,3 @@ def assign_from_start(consumer: Consumer, topic: str, timeout: float, if_unknown
     partitions = sorted(metadata.partitions) if metadata is not None and metadata.error is None else list(if_unknown)
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
     return partitions
-
-
-def _drain(consumer: Consumer, timeout: float, quiet_period: float) -> Iterator[Message]:
-    deadline = time.monotonic() + timeout
-    last_arrival = time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - last_arrival < quiet_period:
-        msg = consumer.poll(0.1)
-        if msg is None:  # an empty value is falsy, so compare with None
-            continue
-        if msg.error() is not None:
-            log.warning("Error while reading %s: %s", msg.topic(), msg.error())
-            continue
-        last_arrival = time.monotonic()
-        yield msg

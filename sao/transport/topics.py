@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic, TopicMetadata
+from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
 from sao.config import SaoConfig
 from sao.transport.kafka import MAX_MESSAGE_BYTES
@@ -36,22 +36,6 @@ def ensure_topics(bootstrap: str, partitions_by_topic: dict[str, int], timeout: 
 
     `replication_factor` 1 suits the single embedded broker; a production Kafka wants 3.
     """
-    _validate(partitions_by_topic, replication_factor)
-    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": log})
-    deadline = time.monotonic() + timeout
-    existing = _metadata(admin, bootstrap, timeout).topics
-    _warn_on_partition_mismatch(existing, partitions_by_topic)
-    missing = [name for name in partitions_by_topic if name not in existing]
-    if missing:
-        topic_config = DEFAULT_TOPIC_CONFIG if config is None else config
-        new_topics = [NewTopic(name, num_partitions=partitions_by_topic[name], replication_factor=replication_factor,
-                               config=topic_config) for name in missing]
-        for name, future in admin.create_topics(new_topics, request_timeout=timeout).items():
-            _check_created(name, future, bootstrap, max(0.1, deadline - time.monotonic()))
-    _wait_until_visible(admin, bootstrap, list(partitions_by_topic), deadline)
-
-
-def _validate(partitions_by_topic: dict[str, int], replication_factor: int) -> None:
     # Tansu creates topics with 0 partitions or any name without complaint; real Kafka refuses.
     for name, partitions in partitions_by_topic.items():
         if not _LEGAL_TOPIC_NAME.fullmatch(name) or name in (".", ".."):
@@ -60,6 +44,23 @@ def _validate(partitions_by_topic: dict[str, int], replication_factor: int) -> N
             raise TopicSetupError(f"Topic {name!r} needs at least 1 partition, got {partitions}.")
     if replication_factor < 1:
         raise TopicSetupError(f"replication_factor must be at least 1, got {replication_factor}.")
+    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": log})
+    deadline = time.monotonic() + timeout
+    existing = _metadata(admin, bootstrap, timeout).topics
+    # Changing the partition count of a live topic remaps keys to partitions, so sao never
+    # does it on its own; the operator decides.
+    for name, wanted in partitions_by_topic.items():
+        if name in existing and len(existing[name].partitions) != wanted:
+            log.warning("Topic %s exists with %d partitions, config asks for %d; keeping the existing topic", name,
+                        len(existing[name].partitions), wanted)
+    missing = [name for name in partitions_by_topic if name not in existing]
+    if missing:
+        topic_config = DEFAULT_TOPIC_CONFIG if config is None else config
+        new_topics = [NewTopic(name, num_partitions=partitions_by_topic[name], replication_factor=replication_factor,
+                               config=topic_config) for name in missing]
+        for name, future in admin.create_topics(new_topics, request_timeout=timeout).items():
+            _check_created(name, future, bootstrap, max(0.1, deadline - time.monotonic()))
+    _wait_until_visible(admin, bootstrap, list(partitions_by_topic), deadline)
 
 
 def _metadata(admin: AdminClient, bootstrap: str, timeout: float) -> ClusterMetadata:
@@ -82,15 +83,6 @@ def _check_created(name: str, future: Future[None], bootstrap: str, timeout: flo
     except FutureTimeout as error:
         raise TopicSetupError(f"Creating topic {name!r} on {bootstrap} got no answer within "
                               f"{timeout:.0f} s.") from error
-
-
-def _warn_on_partition_mismatch(existing: dict[str, TopicMetadata], partitions_by_topic: dict[str, int]) -> None:
-    # Changing the partition count of a live topic remaps keys to partitions, so sao never
-    # does it on its own; the operator decides.
-    for name, wanted in partitions_by_topic.items():
-        if name in existing and len(existing[name].partitions) != wanted:
-            log.warning("Topic %s exists with %d partitions, config asks for %d; keeping the existing topic", name,
-                        len(existing[name].partitions), wanted)
 
 
 def _wait_until_visible(admin: AdminClient, bootstrap: str, names: list[str], deadline: float) -> None:
