@@ -525,9 +525,8 @@ class WeightsChunk:
                    position=position, data=_get(obj, "data", bytes))
 
 
-_KINDS: dict[str, type] = {"task": Task, "trajectory": Trajectory, "policy": PolicyAnnouncement,
-                           "weights-chunk": WeightsChunk}
-_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+_KIND_OF: dict[type, str] = {Task: "task", Trajectory: "trajectory", PolicyAnnouncement: "policy",
+                             WeightsChunk: "weights-chunk"}
 
 
 def encode(message: Task | Trajectory | PolicyAnnouncement | WeightsChunk) -> bytes:
