@@ -141,8 +141,11 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
-def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeout: float, log_hint: str) -> None:
+def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeout: float,
+                      log_path: Path | None) -> None:
     """Wait until a freshly spawned broker answers metadata; fail fast if it exits."""
+    log_hint = (f"See the broker log at {log_path}." if log_path is not None
+                else "Pass log_path to EmbeddedBroker to keep the broker's output.")
     deadline = time.monotonic() + timeout
     admin: AdminClient | None = None
     while True:
@@ -163,12 +166,6 @@ def _wait_for_process(proc: subprocess.Popen[bytes], host: str, port: int, timeo
                 if proc.poll() is None:
                     return
         time.sleep(0.05)
-
-
-def _log_hint(log_path: Path | None) -> str:
-    if log_path is None:
-        return "Pass log_path to EmbeddedBroker to keep the broker's output."
-    return f"See the broker log at {log_path}."
 
 
 class EmbeddedBroker:
@@ -209,7 +206,7 @@ class EmbeddedBroker:
             stderr=subprocess.STDOUT,
             preexec_fn=functools.partial(processes.die_with_parent, os.getpid()) if self._die_with_parent else None)
         try:
-            _wait_for_process(self._process, self.host, self.port, timeout, _log_hint(self.log_path))
+            _wait_for_process(self._process, self.host, self.port, timeout, self.log_path)
         except BrokerUnavailable:
             self.stop()
             raise
@@ -283,7 +280,7 @@ def start_detached(state_dir: Path, port: int, timeout: float = 20, storage: Sto
         env, storage_url, cluster_id = _s3_env(endpoint), f"s3://{S3_BUCKET}/", _durable_cluster_id(state_dir)
     proc = _spawn_detached(broker_command(host, port, cluster_id, storage_url), log_path, env)
     try:
-        _wait_for_process(proc, host, port, timeout, _log_hint(log_path))
+        _wait_for_process(proc, host, port, timeout, log_path)
     except BrokerUnavailable:
         for child in filter(None, (proc, s3)):
             _terminate(child, 5.0)
