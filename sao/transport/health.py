@@ -250,10 +250,9 @@ class BrokerWatch:
             self._last_answer = time.monotonic()
             if was_down:
                 self.generation += 1
-            first_contact = self._cluster_id is None
-            newly_replaced = (not first_contact and cluster_id != self._cluster_id and self._replaced_by is None)
-            if first_contact:
+            if self._cluster_id is None:  # first contact: the cluster this process works on
                 self._cluster_id = cluster_id
+            newly_replaced = cluster_id != self._cluster_id and self._replaced_by is None
             if newly_replaced:
                 self._replaced_by = cluster_id
             old = self._cluster_id
