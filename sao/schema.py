@@ -196,10 +196,8 @@ _STEP_LISTS = {"observation_lengths": ("observation_ids", frozenset({int})),
 
 def _steps_to_wire(steps: list[Step]) -> dict[str, Any]:
     """Steps as columns: per-step scalars as lists, every token id in one array and every log-prob in another."""
-    ids: list[np.ndarray] = []
-    for step in steps:
-        ids += (step.observation_ids, step.action_ids)
-    columns = {
+    ids = [part for step in steps for part in (step.observation_ids, step.action_ids)]
+    return codec.spliced_map({
         "observation_lengths": [len(step.observation_ids) for step in steps],
         "action_lengths": [len(step.action_ids) for step in steps],
         "rewards": [float(step.reward) for step in steps],
@@ -208,8 +206,7 @@ def _steps_to_wire(steps: list[Step]) -> dict[str, Any]:
         "recalled": [[int(turn) for turn in step.recalled] for step in steps],
         "token_ids": codec.joined_array(ids, np.int32),
         "behaviour_logprobs": codec.joined_array([step.behaviour_logprobs for step in steps], np.float32),
-    }
-    return codec.spliced_map(columns)
+    })
 
 
 def _step_list(columns: dict, name: str, count: int | None) -> list:
