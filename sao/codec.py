@@ -11,6 +11,7 @@ sees exactly the map that `msgpack.packb` would write (tests/test_codec.py).
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -21,14 +22,12 @@ import numpy as np
 SPLICE_BYTES = 64 * 1024
 
 
+@dataclass(slots=True)
 class _Joined:
     """Arrays that travel as the data of one packed array, laid end to end only as `packb` writes the message."""
 
-    __slots__ = ("arrays", "nbytes")
-
-    def __init__(self, arrays: list[np.ndarray], nbytes: int) -> None:
-        self.arrays = arrays
-        self.nbytes = nbytes
+    arrays: list[np.ndarray]
+    nbytes: int
 
 
 class _Spliced(dict):
