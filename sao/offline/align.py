@@ -74,26 +74,26 @@ def prepare(episodes: Sequence[Episode], config: SaoConfig, encoder, temporal_fi
     return prepared
 
 
-def full_text_input(trajectory: Trajectory, step: int) -> TurnInput:
-    """Step `step` with every earlier step as text and no memory: the teacher's context."""
+def _text_input(trajectory: Trajectory, step: int, window: int) -> TurnInput:
+    """Step `step` with no memory: its observation after the last `window` earlier steps as text."""
     finished = [(s.observation_ids, s.action_ids) for s in trajectory.steps[:step]]
     current = trajectory.steps[step]
     return TurnInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
-                     turn_tokens(finished, current.observation_ids, len(finished)), current.action_ids)
+                     turn_tokens(finished, current.observation_ids, window), current.action_ids)
+
+
+def full_text_input(trajectory: Trajectory, step: int) -> TurnInput:
+    """Step `step` with every earlier step as text and no memory: the teacher's context."""
+    return _text_input(trajectory, step, step)
 
 
 def without_memory(trajectory: Trajectory, step: int) -> TurnInput:
     """Step `step` without what memory gives it, slots and recalled turns: the recent window alone (truncation)."""
-    finished = [(s.observation_ids, s.action_ids) for s in trajectory.steps[:step]]
-    current = trajectory.steps[step]
-    return TurnInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
-                     turn_tokens(finished, current.observation_ids, trajectory.recent_window), current.action_ids)
+    return _text_input(trajectory, step, trajectory.recent_window)
 
 
 def no_history_input(trajectory: Trajectory, step: int) -> TurnInput:
-    current = trajectory.steps[step]
-    return TurnInput(trajectory.prompt_ids, np.zeros((0, trajectory.memory.vectors.shape[1]), np.float32),
-                     np.asarray(current.observation_ids, np.int32), current.action_ids)
+    return _text_input(trajectory, step, 0)
 
 
 def _head(policy: MemoryPolicy, hidden: torch.Tensor) -> torch.Tensor:
