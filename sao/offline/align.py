@@ -25,9 +25,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sao.config import SaoConfig
+from sao.config import EnvConfig, SaoConfig
 from sao.envs.registry import generation_settings
-from sao.offline.episodes import Episode, EpisodeStep, replay_episode
+from sao.envs.textworld import TextWorldEnv
+from sao.envs.textworld_agents import make_agent
+from sao.offline.default_weights import arithmetic_questions, long_episode
+from sao.offline.episodes import Episode, EpisodeStep, record_episode, replay_episode
 from sao.policy.chat import ChatFormat
 from sao.policy.context import TurnInput, training_inputs, turn_tokens
 from sao.policy.loading import load_tokenizer
@@ -271,11 +274,6 @@ def align_projector(policy: MemoryPolicy, prepared: Sequence[PreparedEpisode], s
 
 def labyrinth_corpus(seed: int, count: int, max_steps: int = 400, random_every: int = 5) -> list[Episode]:
     """Labyrinth episodes of varied size by the noisy expert (every `random_every`-th by the random agent)."""
-    from sao.config import EnvConfig
-    from sao.envs.textworld import TextWorldEnv
-    from sao.envs.textworld_agents import make_agent
-    from sao.offline.episodes import record_episode
-
     rng = random.Random(seed)
     env, episodes = TextWorldEnv(), []
     for index in range(count):
@@ -290,8 +288,6 @@ def labyrinth_corpus(seed: int, count: int, max_steps: int = 400, random_every: 
 
 def tutoring_corpus(seed: int, count: int) -> list[Episode]:
     """Multi-turn arithmetic episodes of a stuck learner (10-40 tries under 'incorrect' feedback)."""
-    from sao.offline.default_weights import arithmetic_questions, long_episode
-
     rng = random.Random(seed)
     episodes = []
     for index, (question, answer) in enumerate(arithmetic_questions(seed, count)):

@@ -24,6 +24,10 @@ import torch
 from sao.compression.semantic import DEFAULT_MODEL, load_encoder
 from sao.compression.temporal import DEFAULT_WEIGHTS_PATH, save_temporal_weights
 from sao.compression.train import train_from_texts
+from sao.config import EnvConfig
+from sao.envs.textworld import TextWorldEnv
+from sao.envs.textworld_agents import make_agent
+from sao.offline.episodes import record_episode
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +132,6 @@ def tutoring_episodes(seed: int, short: int = 500, long: int = 60) -> list[list[
 
 def labyrinth_episodes(seed: int, count: int = 20) -> list[list[str]]:
     """`count` text-labyrinth episodes of varied size: 4 in 5 by the noisy expert, 1 in 5 random."""
-    from sao.config import EnvConfig
-    from sao.envs.textworld import TextWorldEnv
-    from sao.envs.textworld_agents import make_agent
-    from sao.offline.episodes import record_episode
-
     rng = random.Random(seed)
     env, episodes = TextWorldEnv(), []
     for index in range(count):
