@@ -84,20 +84,21 @@ def _tokenizer(cfg: SaoConfig):
     return load_tokenizer(cfg.policy.model, cfg.policy.cache_dir)
 
 
-def _load_episodes(cfg: SaoConfig, input_path: Path | None, bootstrap_servers: str | None, from_env: str | None,
-                   episodes: int, agent: str, noise: float, seed: int, max_messages: int | None) -> list[Episode]:
+def _recorded_episodes(cfg: SaoConfig, input_path: Path | None, bootstrap_servers: str | None,
+                       max_messages: int | None, from_env: str | None = None) -> tuple[list[Episode], str, list[str]]:
+    """The episodes of the one source given, --input or --bootstrap-servers (refused beside --from-env, where a
+    command takes it), the source in words, and the flags that name it in the recorded command."""
     from sao.offline.episodes import holds_trajectory_records, read_episodes, read_episodes_from_topic
 
-    sources = [s for s in (input_path, bootstrap_servers, from_env) if s]
-    if len(sources) != 1:
+    if len([s for s in (input_path, bootstrap_servers, from_env) if s]) != 1:
         raise typer.BadParameter("give exactly one of --input, --bootstrap-servers, --from-env")
     if input_path is not None:
         if not input_path.is_file():
             raise typer.BadParameter(f"{input_path} does not exist", param_hint="--input")
-        return read_episodes(input_path, tokenizer=_tokenizer(cfg) if holds_trajectory_records(input_path) else None)
-    if bootstrap_servers is not None:
-        return read_episodes_from_topic(bootstrap_servers, cfg.topics.trajectories, _tokenizer(cfg), max_messages)
-    return scripted_episodes(cfg, from_env, episodes, agent, noise, seed)
+        tokenizer = _tokenizer(cfg) if holds_trajectory_records(input_path) else None
+        return read_episodes(input_path, tokenizer=tokenizer), f"file {input_path}", ["--input", str(input_path)]
+    return (read_episodes_from_topic(bootstrap_servers, cfg.topics.trajectories, _tokenizer(cfg), max_messages),
+            f"topic {cfg.topics.trajectories}", ["--bootstrap-servers", bootstrap_servers])
 
 
 @compression_app.command()
@@ -137,19 +138,17 @@ def train(out: OutOpt, input_path: InputOpt = None, bootstrap_servers: Bootstrap
 
     cfg = config_or_exit(config, set_)
     torch.set_num_threads(threads)
-    loaded = _load_episodes(cfg, input_path, bootstrap_servers, from_env, episodes, agent, noise, seed, max_messages)
+    if from_env and not (input_path or bootstrap_servers):
+        loaded = scripted_episodes(cfg, from_env, episodes, agent, noise, seed)
+        source = f"{from_env} scripted agents ({agent}, noise {noise:g})"
+        flags = ["--from-env", from_env, "--episodes", str(episodes), "--agent", agent, "--noise", f"{noise:g}"]
+    else:
+        loaded, source, flags = _recorded_episodes(cfg, input_path, bootstrap_servers, max_messages, from_env)
     if len(loaded) < 2:
         fail(f"[red]only {len(loaded)} episode(s) found[/]: training needs at least two", 1)
     sentence_encoder = load_encoder(encoder or cfg.compression.encoder)
     temporal_filter = train_from_texts([e.texts() for e in loaded], sentence_encoder,
                                        target_keep_ratio=target_keep_ratio, hidden=hidden, epochs=epochs, seed=seed)
-    if input_path:
-        source, flags = f"file {input_path}", ["--input", str(input_path)]
-    elif bootstrap_servers:
-        source, flags = f"topic {cfg.topics.trajectories}", ["--bootstrap-servers", bootstrap_servers]
-    else:
-        source = f"{from_env} scripted agents ({agent}, noise {noise:g})"
-        flags = ["--from-env", from_env, "--episodes", str(episodes), "--agent", agent, "--noise", f"{noise:g}"]
     flags += [f"--set={item}" for item in set_ or []]
     flags += ["--seed", str(seed), "--target-keep-ratio", f"{target_keep_ratio:g}", "--hidden", str(hidden),
               "--epochs", str(epochs), "--out", str(out)] + (["--encoder", encoder] if encoder else [])
@@ -189,13 +188,12 @@ def bottleneck(width: Annotated[int, typer.Option(min=1, help="Directions kept: 
     if not 1 <= width <= sentence_encoder.dim:
         fail(f"[red]--width[/] must be between 1 and the encoder's {sentence_encoder.dim} dims (got {width})")
     temporal_filter = load_temporal_filter(cfg.compression.temporal_weights, cfg.compression.keep_threshold)
-    episodes, source, flags = None, "", [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else [])
+    episodes, source, named = None, "", []
     if input_path or bootstrap_servers:
-        episodes = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, "mix", 0.0, seed, max_messages)
+        episodes, source, named = _recorded_episodes(cfg, input_path, bootstrap_servers, max_messages)
         if len(episodes) < 2:
             fail(f"[red]only {len(episodes)} episode(s) found[/]: fitting needs one to hold out and one more", 1)
-        source = f"file {input_path}" if input_path else f"topic {cfg.topics.trajectories}"
-        flags += ["--input", str(input_path)] if input_path else ["--bootstrap-servers", bootstrap_servers]
+    flags = [f"--set={item}" for item in set_ or []] + (["--out", str(out)] if out else []) + named
     try:
         basis, record = fit_memory_basis(sentence_encoder, temporal_filter, width, seed, episodes, source)
     except ValueError as err:  # fewer kept steps than --width
@@ -234,7 +232,7 @@ def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
         loaded = scripted_episodes(cfg, from_env, 1, agent, noise, seed, start_index=index)
         index = 0
     else:
-        loaded = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, agent, noise, seed, index + 1)
+        loaded, _, _ = _recorded_episodes(cfg, input_path, bootstrap_servers, index + 1)
     if index >= len(loaded):
         fail(f"[red]no episode {index}[/]: the source holds {len(loaded)}", 1)
     episode = loaded[index]
@@ -327,8 +325,7 @@ def align(out: Annotated[Path | None, typer.Option(
     started = time.perf_counter()
     window = cfg.compression.recent_window if recent_window is None else recent_window
     if input_path or bootstrap_servers:
-        loaded = _load_episodes(cfg, input_path, bootstrap_servers, None, 0, "mix", 0.0, seed, max_messages)
-        source = f"file {input_path}" if input_path else f"topic {cfg.topics.trajectories}"
+        loaded, source, flags = _recorded_episodes(cfg, input_path, bootstrap_servers, max_messages)
         random.Random(seed).shuffle(loaded)
         held = max(1, len(loaded) // 5)
         training, validation = loaded[held:], loaded[:held]
@@ -339,6 +336,8 @@ def align(out: Annotated[Path | None, typer.Option(
         validation = alignment.labyrinth_corpus(seed + 1, 1, max_steps) + alignment.tutoring_corpus(seed + 1, 1)
         source = (f"scripted: {labyrinth_episodes} labyrinth episodes (noisy expert / random, <= {max_steps} steps) + "
                   f"{tutoring_episodes} multi-turn arithmetic episodes (stuck learner), seed {seed}")
+        flags = ["--labyrinth-episodes", str(labyrinth_episodes), "--tutoring-episodes", str(tutoring_episodes),
+                 "--max-steps", str(max_steps)]
     encoder = load_encoder(cfg.compression.encoder)
     temporal_filter = load_temporal_filter(cfg.compression.temporal_weights, cfg.compression.keep_threshold)
     train_set = alignment.prepare(training, cfg, encoder, temporal_filter, window)
@@ -371,9 +370,6 @@ def align(out: Annotated[Path | None, typer.Option(
     readable = content.content_nll(policy, val_slots)
     model, encoder_identity = cfg.policy.model, encoder_name(cfg.compression.encoder)
     target = out or shipped_projector_path(model, encoder_identity)
-    flags = ["--labyrinth-episodes", str(labyrinth_episodes), "--tutoring-episodes", str(tutoring_episodes),
-             "--max-steps", str(max_steps)] if not (input_path or bootstrap_servers) else (
-        ["--input", str(input_path)] if input_path else ["--bootstrap-servers", str(bootstrap_servers)])
     flags += ["--updates", str(updates), "--batch-size", str(batch_size), "--lr", f"{lr:g}", "--top-k", str(top_k),
               "--reconstruct-updates", str(reconstruct_updates), "--reconstruct-batch", str(reconstruct_batch),
               "--reconstruct-weight", f"{reconstruct_weight:g}", "--distil-share", f"{distil_share:g}",
