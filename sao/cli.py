@@ -121,15 +121,16 @@ def _run_config(run_dir: Path, path: Path | None, sets: list[str] | None) -> Sao
 
 
 @contextmanager
-def _exit_when_broker_fails(bootstrap: str) -> Iterator[None]:
-    """A broker that stops answering mid-command ends it with one line naming the address, exit code 3."""
+def _broker(config: SaoConfig, flag: str | None) -> Iterator[str]:
+    """The address of a broker that answers (`_bootstrap`); if it fails mid-command: one line naming it, exit 3."""
+    bootstrap = _bootstrap(config, flag)
     from confluent_kafka import KafkaException
 
     from sao.feeder import TasksNotAcknowledged
     from sao.transport.topics import TopicSetupError
 
     try:
-        yield
+        yield bootstrap
     except (KafkaException, TasksNotAcknowledged, TopicSetupError) as err:
         fail(f"[red]the broker at {escape(bootstrap)} failed:[/] {escape(str(err))}", 3)
 
@@ -242,10 +243,9 @@ def feed(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Boots
     setup_logging()
     cfg = config_or_exit(config, set_, **{"run.num_tasks": num_tasks})
     _check_env(cfg)
-    bootstrap = _bootstrap(cfg, bootstrap_servers)
     from sao.feeder import feed_tasks
 
-    with _exit_when_broker_fails(bootstrap):
+    with _broker(cfg, bootstrap_servers) as bootstrap:
         sent = feed_tasks(cfg, bootstrap, cfg.run.num_tasks, start_index)
     console.print(f"fed {sent} tasks to {cfg.topics.tasks}")
 
@@ -257,8 +257,7 @@ def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Boo
     from sao.transport.topics import ensure_topics, topic_partitions
 
     wanted = topic_partitions(cfg)
-    bootstrap = _bootstrap(cfg, bootstrap_servers)
-    with _exit_when_broker_fails(bootstrap):
+    with _broker(cfg, bootstrap_servers) as bootstrap:
         ensure_topics(bootstrap, wanted)
     console.print("topics ready: " + ", ".join(f"{name} ({parts})" for name, parts in wanted.items()))
 
@@ -320,8 +319,7 @@ def inspect(what: Annotated[str, typer.Argument(help="trajectories | dlq | polic
 
     if what not in ("trajectories", "dlq", "policy"):
         fail(f"[red]unknown topic kind {what!r}[/]: use trajectories, dlq or policy")
-    bootstrap = _bootstrap(cfg, bootstrap_servers)
-    with _exit_when_broker_fails(bootstrap):
+    with _broker(cfg, bootstrap_servers) as bootstrap:
         table = inspect_topic(cfg, bootstrap, what, limit)
     Console().print(table)
 
@@ -346,8 +344,7 @@ def audit(run_dir: Annotated[Path, typer.Option(help="Run directory whose traine
     from sao.audit import audit as audit_run
     from sao.audit import report_table, write_json
 
-    bootstrap = _bootstrap(cfg, bootstrap_servers)
-    with _exit_when_broker_fails(bootstrap):
+    with _broker(cfg, bootstrap_servers) as bootstrap:
         report = audit_run(cfg, RunDir(run_dir), bootstrap, finished, read_timeout, quiet_s)
     Console().print(report_table(report))
     if json_path is not None:
