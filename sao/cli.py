@@ -407,8 +407,12 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
 
     try:
         ranks = TrajectoryLog.read(RunDir(run_dir).trajectory_log).world_size()
-        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # each rank of the run replays as itself
-            raise typer.Exit(_relaunch_on_ranks(ranks))
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # each rank of the run replays as itself:
+            from sao.transport.broker import free_port  # this same command again, under torch.distributed.run
+
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                       str(free_port()), "-m", "sao.cli", *sys.argv[1:]]
+            raise typer.Exit(subprocess.run(command, check=False).returncode)
         result = Replay(run_dir, set_, out).run()
     except (ConfigError, ArchiveError, CannotReplay) as err:
         fail(f"[red]cannot replay:[/] {escape(str(err))}")
@@ -420,15 +424,6 @@ def replay(run_dir: Annotated[Path, typer.Argument(help="The run directory whose
         f"{result.versions} versions rebuilt (not checked: another setting)"
     console.print(f"replayed {result.steps} steps in {result.seconds:.1f} s: {checked}"
                   + (f"; written to {out}" if out is not None else ""))
-
-
-def _relaunch_on_ranks(ranks: int) -> int:
-    """Run this same command again under torch.distributed.run on `ranks` local ranks; its exit code."""
-    from sao.transport.broker import free_port
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), "-m", "sao.cli", *sys.argv[1:]]
-    return subprocess.run(command, check=False).returncode
 
 
 @app.command()
