@@ -48,13 +48,6 @@ def slot_examples(prepared: Sequence[PreparedEpisode], tokenizer) -> list[TurnIn
     return examples
 
 
-def with_other_slot(examples: Sequence[TurnInput], shift: int) -> list[TurnInput]:
-    """Each example with the slot of the example `shift` places on: same text, wrong content."""
-    count = len(examples)
-    return [TurnInput(x.prompt_ids, examples[(i + shift) % count].memory, x.context_ids, x.action_ids)
-            for i, x in enumerate(examples)]
-
-
 @torch.no_grad()
 def content_nll(policy: MemoryPolicy, examples: Sequence[TurnInput], batch_size: int = 16) -> dict[str, float]:
     """Held-out per-token NLL of each step's text under its own slot vs another step's slot.
@@ -62,7 +55,9 @@ def content_nll(policy: MemoryPolicy, examples: Sequence[TurnInput], batch_size:
     `other - own` > 0 is what the soft token says about *this* step; ~0 means it carries no content.
     Returns the means, the paired difference and its standard error (n = the examples).
     """
-    others = with_other_slot(examples, max(1, len(examples) // 2))
+    shift = max(1, len(examples) // 2)  # each example with the slot of the one `shift` on: same text, wrong content
+    others = [TurnInput(x.prompt_ids, examples[(i + shift) % len(examples)].memory, x.context_ids, x.action_ids)
+              for i, x in enumerate(examples)]
     own, other = [], []
     for start in range(0, len(examples), batch_size):
         own += reconstruction_nll(policy, examples[start:start + batch_size]).tolist()
