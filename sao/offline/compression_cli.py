@@ -236,14 +236,13 @@ def inspect(input_path: InputOpt = None, bootstrap_servers: BootstrapOpt = None,
     if index >= len(loaded):
         fail(f"[red]no episode {index}[/]: the source holds {len(loaded)}", 1)
     episode = loaded[index]
-    window = cfg.compression.recent_window
     sentence_encoder = load_encoder(encoder or cfg.compression.encoder)
-    weights = temporal_weights or cfg.compression.temporal_weights
-    temporal_filter = load_temporal_filter(weights, threshold if threshold is not None else cfg.compression.keep_threshold)
+    temporal_filter = load_temporal_filter(temporal_weights or cfg.compression.temporal_weights,
+                                           threshold if threshold is not None else cfg.compression.keep_threshold)
     compressed = episode.compressed_steps()  # the sampler never compresses a final step
     texts, rewards = episode.texts(), episode.rewards()
     memory, _, decisions = compress_batch(texts[:compressed], rewards[:compressed], sentence_encoder,
-                                          temporal_filter, recent_window=window)
+                                          temporal_filter, recent_window=cfg.compression.recent_window)
     Console().print(decision_table(episode, decisions, memory.spans, temporal_filter.threshold, limit, kept_only, width))
     exact = float(memory.reward_sums.sum()) == sum(rewards[:compressed])
     console.print(f"{len(episode)} steps, {compressed} compressed into {len(memory)} slots "
@@ -259,12 +258,11 @@ def decision_table(episode: Episode, decisions, spans, threshold: float, limit: 
                   title=f"{episode.task_id} ({episode.agent}): keep when error > {threshold:.4f}, "
                         "or reward, or first step")
     slot_of = {step: slot for slot, (first, last) in enumerate(spans) for step in range(first, last + 1)}
-    rows = 0
     for t, step in enumerate(episode.steps):
         decision = decisions[t] if t < len(decisions) else None
         if kept_only and not (decision and decision.keep):
             continue
-        if limit is not None and rows >= limit:
+        if limit is not None and table.row_count >= limit:
             break
         text = " ".join(f"{step.observation} ▸ {step.action}".split())
         text = text if len(text) <= width else text[: width - 1] + "…"
@@ -274,7 +272,6 @@ def decision_table(episode: Episode, decisions, spans, threshold: float, limit: 
             cells = ("[green]keep[/]" if decision.keep else "[dim]merge[/]", decision.reason,
                      f"{decision.error:.4f}", str(slot_of[t]))
         table.add_row(str(t), text, cells[0], cells[1], cells[2], f"{step.reward:g}" if step.reward else "", cells[3])
-        rows += 1
     return table
 
 
@@ -315,7 +312,6 @@ def align(out: Annotated[Path | None, typer.Option(
     from sao.compression.temporal import load_temporal_filter
     from sao.offline import align as alignment
     from sao.offline import reconstruction as content
-    from sao.policy.loading import load_tokenizer
     from sao.policy.projector import save_projector, shipped_projector_path
     from sao.policy.weights import build_policy
 
@@ -346,7 +342,7 @@ def align(out: Annotated[Path | None, typer.Option(
     val_pairs = alignment.memory_steps(val_set)
     val_pairs = sorted(random.Random(seed).sample(val_pairs, min(validation_steps, len(val_pairs))))
     kl_zero = alignment.mean_kl(policy, val_set, val_pairs)
-    tokenizer = load_tokenizer(cfg.policy.model, cfg.policy.cache_dir)
+    tokenizer = _tokenizer(cfg)
     train_slots = content.slot_examples(train_set, tokenizer)
     val_slots = content.slot_examples(val_set, tokenizer)  # every held-out slot: a forward each, cheap
     console.print(f"{len(train_set)} training episodes ({len(alignment.memory_steps(train_set))} steps with memory, "
