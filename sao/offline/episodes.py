@@ -97,12 +97,9 @@ class Episode:
 
 def write_episodes(path: str | Path, episodes: Iterable[Episode]) -> int:
     """Write episodes as JSONL; returns how many."""
-    count = 0
-    with open(path, "w", encoding="utf-8") as out:
-        for episode in episodes:
-            out.write(episode.to_json() + "\n")
-            count += 1
-    return count
+    lines = [episode.to_json() + "\n" for episode in episodes]
+    Path(path).write_text("".join(lines), encoding="utf-8")
+    return len(lines)
 
 
 def read_trajectory_records(path: str | Path) -> Iterator[Trajectory]:
