@@ -153,10 +153,9 @@ def record_rollout(trajectory: Trajectory, produce_s: float) -> None:
     SAMPLER_PRODUCE_SECONDS.observe(produce_s)
     SAMPLER_REWARD.observe(trajectory.total_reward)
     timings, compression = trajectory.timings, trajectory.compression
-    if "rollout_s" in timings:
-        SAMPLER_ROLLOUT_SECONDS.observe(timings["rollout_s"])
-    if "generate_s" in timings:
-        SAMPLER_GENERATE_SECONDS.observe(timings["generate_s"])
+    for key, histogram in (("rollout_s", SAMPLER_ROLLOUT_SECONDS), ("generate_s", SAMPLER_GENERATE_SECONDS)):
+        if key in timings:
+            histogram.observe(timings[key])
     for stage in ("encode", "filter", "quantize"):
         if f"{stage}_s" in timings:
             COMPRESSION_STAGE_SECONDS.labels(stage=stage).observe(timings[f"{stage}_s"])
@@ -247,12 +246,10 @@ def export_trainer_step(record: StepRecord) -> None:
     TRAINER_RATIO.labels(stat="abs_dev").set(record.ratio_abs_dev)
     TRAINER_RATIO.labels(stat="clip_fraction").set(record.clip_fraction)
     TRAINER_KL.set(record.kl_k3)
-    if record.token_nll is not None:
-        TRAINER_TOKEN_NLL.set(record.token_nll)
-    if record.kl_to_base is not None:
-        TRAINER_KL_TO_BASE.set(record.kl_to_base)
-    if record.learning_rate is not None:
-        TRAINER_LEARNING_RATE.set(record.learning_rate)
+    for gauge, value in ((TRAINER_TOKEN_NLL, record.token_nll), (TRAINER_KL_TO_BASE, record.kl_to_base),
+                         (TRAINER_LEARNING_RATE, record.learning_rate)):
+        if value is not None:
+            gauge.set(value)
     for versions in record.staleness:
         TRAINER_STALENESS.observe(versions)
     for delay in record.sampling_to_training_s:
