@@ -132,48 +132,9 @@ def _compare_on_heldout(config: SaoConfig, run_dir: RunDir, console: Console) ->
     if not result["heldout_n"]:
         console.print(f"[red]the env failed on every held-out task: see {run_dir.heldout}[/]")
         return
-    cached = " (base from the cache)" if result["base_cached"] else ""
-    console.print(f"held-out first-try success: v0 {result['heldout_base']:.3f} -> v{final} "
-                  f"{result['heldout_final']:.3f} on {result['heldout_n']} tasks{cached}, in "
-                  f"{result['base_seconds'] + result['final_seconds']:.0f} s")
-    if kept is not None and kept != final:
-        console.print(f"kept by shadow validation: v{kept}, held-out first-try success {result['heldout_kept']:.3f}, "
-                      f"gain {result['heldout_kept_gain']:+.3f} ± {result['heldout_kept_gain_stderr'] or 0:.3f} "
-                      f"over the base (RUN_DIR/policy/best)")
-    _print_skill(result, final, kept, console)
-    base = _rate(result["heldout_second_try_base"], result["heldout_second_try_base_stderr"],
-                 result["heldout_second_try_base_n"])
-    final_rate = _rate(result["heldout_second_try_final"], result["heldout_second_try_final_stderr"],
-                       result["heldout_second_try_n"])
-    console.print(f"held-out second-try success (after a wrong first answer): v0 {base} -> v{final} {final_rate}")
-    base_penalised, final_penalised = result["heldout_second_try_penalised_base"], result["heldout_second_try_penalised_final"]
-    if base_penalised or final_penalised:  # arithmetic's env.repeat_penalty: a rejected answer again, or none
-        # Either is None when that version had no second attempt (every first answer right).
-        console.print(f"held-out second attempts with no new answer (penalised): v0 "
-                      f"{_rate(base_penalised, None, result['heldout_second_try_base_n'])} -> v{final} "
-                      f"{_rate(final_penalised, None, result['heldout_second_try_n'])}")
-
-
-def _print_skill(result: dict, final: int, kept: int | None, console: Console) -> None:
-    """The held-out line on the skill the base model does worst on, with the format-only ceiling beside it."""
-    skill = result.get("heldout_skill")
-    if not skill:
-        return
-    base = _rate(result["heldout_skill_base"], result["heldout_skill_base_stderr"], result["heldout_skill_n"])
-    line = (f"held-out on skill {skill}: v0 {base} -> v{final} {result['heldout_skill_final']:.3f}, "
-            f"gain {result['heldout_skill_final_gain']:+.3f} ± "
-            f"{result['heldout_skill_final_gain_stderr'] or 0:.3f}")
-    if kept is not None and kept != final and result.get("heldout_skill_kept") is not None:
-        line += (f"; kept v{kept} {result['heldout_skill_kept']:.3f}, gain {result['heldout_skill_kept_gain']:+.3f} ± "
-                 f"{result['heldout_skill_kept_gain_stderr'] or 0:.3f}")
-    console.print(line + f"; format-only ceiling {result['heldout_format_ceiling']:.3f} (share of tasks without it)")
-
-
-def _rate(value: float | None, error: float | None, n: int) -> str:
-    """'0.123 ± 0.045 (n=57)'; '-' where there was nothing to measure."""
-    if value is None:
-        return f"- (n={n})"
-    return f"{value:.3f}" + (f" ± {error:.3f}" if error is not None else "") + f" (n={n})"
+    cached = ", the base's scores from the cache" if result["base_cached"] else ""
+    console.print(f"held-out evaluation done: {result['heldout_n']} tasks in "
+                  f"{result['base_seconds'] + result['final_seconds']:.0f} s{cached}; its figures lead the summary")
 
 
 def _start_processes(config: SaoConfig, bootstrap: str, run_dir: RunDir) -> dict[str, subprocess.Popen]:

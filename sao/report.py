@@ -257,12 +257,17 @@ def decision_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append((f"skill {show('heldout_skill')}, base -> final",
                          f"{show('heldout_skill_base')} -> {show('heldout_skill_final')} (gain "
                          f"{show('heldout_skill_final_gain', '+.4g')} ± {show('heldout_skill_final_gain_stderr')}, "
-                         f"n={show('heldout_skill_n')})"))
+                         f"n={show('heldout_skill_n')})"
+                         + (f"; kept {show('heldout_skill_kept')}" if get("heldout_skill_kept") is not None else "")))
             rows.append(("format-only ceiling", show("heldout_format_ceiling")))
         if get("heldout_second_try_n") or get("heldout_second_try_base_n"):
             rows.append(("second-try success after a wrong first, base -> final",
                          f"{show('heldout_second_try_base')} (n={show('heldout_second_try_base_n')}) -> "
                          f"{show('heldout_second_try_final')} (n={show('heldout_second_try_n')})"))
+        if get("heldout_second_try_penalised_base") or get("heldout_second_try_penalised_final"):
+            # arithmetic's env.repeat_penalty: a rejected answer again, or none
+            rows.append(("second tries with no new answer (penalised), base -> final",
+                         f"{show('heldout_second_try_penalised_base')} -> {show('heldout_second_try_penalised_final')}"))
     else:
         rows.append(("held-out evaluation", "none (run.heldout_eval = false, nothing published, or it failed)"))
     return rows + [
