@@ -73,30 +73,21 @@ class Feeder:
         """Feed as many whole tasks as keep at most `cap` trajectories in flight, given how many
         the trainer has `handled` (`TrainerProgress.out_of_flight`); returns the messages sent.
 
-        sync: `policy_version` is the trainer's newest published version, read together with `handled`.
-        """
-        if self.sync:
-            return self._release_batch(handled, policy_version)
-        wave = min(self.total - self.fed, self.cap - (self.fed - handled)) // self.copies
-        sent = feed_tasks(self.config, self.bootstrap, wave, self.fed // self.copies, self.producer) if wave > 0 else 0
-        self.fed += sent
-        record_feed(sent, self.fed - handled)
-        return sent
-
-    def _release_batch(self, handled: int, policy_version: int) -> int:
-        """sync: the next trainer batch, only once all fed so far is handled.
-
-        The trainer writes its progress file after the step's publish, so a file that counts the
-        whole batch as handled also names the version that step published: the new batch is
+        sync: the next trainer batch instead, only once all fed so far is handled. The trainer writes its
+        progress file after the step's publish, so a file that counts the whole batch as handled also names
+        the version that step published (`policy_version`, read together with `handled`): the new batch is
         stamped with it, and samplers wait for that version before they start a task of it.
         """
-        if self.fed > handled or self.fed >= self.total:
-            record_feed(0, self.fed - handled)
-            return 0
-        tasks = min(self.total - self.fed, self.config.trainer.batch_size) // self.copies
+        if self.sync:
+            room = self.config.trainer.batch_size if self.fed <= handled else 0
+        else:
+            room, policy_version = self.cap - (self.fed - handled), 0  # async stamps no version
+        tasks = min(self.total - self.fed, room) // self.copies
         released_at = time.time()
-        sent = feed_tasks(self.config, self.bootstrap, tasks, self.fed // self.copies, self.producer, policy_version)
+        sent = feed_tasks(self.config, self.bootstrap, tasks, self.fed // self.copies, self.producer,
+                          policy_version) if tasks > 0 else 0
+        if self.sync and sent:
+            self.releases.append({"released_at": released_at, "trajectories": sent, "policy_version": policy_version})
         self.fed += sent
-        self.releases.append({"released_at": released_at, "trajectories": sent, "policy_version": policy_version})
         record_feed(sent, self.fed - handled)
         return sent
