@@ -16,38 +16,6 @@ from sao.schema import PolicyAnnouncement, SchemaError, Trajectory, decode
 from sao.transport.dlq import describe_dlq_message
 from sao.transport.kafka import read_all
 
-_COLUMNS = {
-    "trajectories": ("partition@offset", "trajectory", "sampler", "v_b", "steps", "reward", "memory", "ratio", "bytes"),
-    "dlq": ("partition@offset", "reason", "source", "detail"),
-    "policy": ("partition@offset", "version", "step", "bytes", "sha256", "path"),
-}
-
-
-def inspect_topic(config: SaoConfig, bootstrap: str, what: str, limit: int) -> Table:
-    topic = {"trajectories": config.topics.trajectories, "dlq": config.topics.dlq, "policy": config.topics.policy}[what]
-    messages = read_all(bootstrap, topic, timeout=10.0, max_messages=limit)
-    return messages_table(f"{topic}: {len(messages)} message(s) shown (limit {limit})", what, messages)
-
-
-def messages_table(title: str, what: str, messages: list) -> Table:
-    """One row per message of a `what` topic; an undecodable one gets a row with the reason instead."""
-    describe = {"trajectories": _trajectory_row, "dlq": _dlq_row, "policy": _policy_row}[what]
-    table = Table(*_COLUMNS[what], title=title)
-    for msg in messages:
-        where = f"{msg.partition()}@{msg.offset()}"
-        table.add_row(where, *_cells(describe, msg, len(_COLUMNS[what]) - 1))
-    return table
-
-
-def _cells(describe: Callable, msg, width: int) -> list[Text]:
-    try:
-        cells = [Text(str(cell)) for cell in describe(msg)]
-    except SchemaError as err:
-        cells = [Text(f"could not decode ({err.reason}): {err}", style="red")]
-    except Exception as err:  # noqa: BLE001 - a viewer of untrusted bytes shows every message, whatever it holds
-        cells = [Text(f"could not decode ({type(err).__name__}): {err}", style="red")]
-    return cells + [Text("")] * (width - len(cells))
-
 
 def _trajectory_row(msg) -> list:
     t = decode(msg.value(), Trajectory)
@@ -64,3 +32,27 @@ def _dlq_row(msg) -> list:
 def _policy_row(msg) -> list:
     ann = decode(msg.value(), PolicyAnnouncement)
     return [ann.policy_version, ann.trainer_step, ann.num_bytes, ann.sha256[:12], ann.weights_path]
+
+
+# Each topic kind (also the name of its knob in `topics`): its row of a message, and the columns of that row.
+_VIEWS: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "trajectories": (_trajectory_row, ("trajectory", "sampler", "v_b", "steps", "reward", "memory", "ratio", "bytes")),
+    "dlq": (_dlq_row, ("reason", "source", "detail")),
+    "policy": (_policy_row, ("version", "step", "bytes", "sha256", "path")),
+}
+
+
+def inspect_topic(config: SaoConfig, bootstrap: str, what: str, limit: int) -> Table:
+    """One row per message of a `what` topic; an undecodable one gets a row with the reason instead."""
+    topic = getattr(config.topics, what)
+    messages = read_all(bootstrap, topic, timeout=10.0, max_messages=limit)
+    describe, columns = _VIEWS[what]
+    table = Table("partition@offset", *columns, title=f"{topic}: {len(messages)} message(s) shown (limit {limit})")
+    for msg in messages:
+        try:
+            cells = [Text(str(cell)) for cell in describe(msg)]
+        except Exception as err:  # noqa: BLE001 - a viewer of untrusted bytes shows every message, whatever it holds
+            reason = err.reason if isinstance(err, SchemaError) else type(err).__name__
+            cells = [Text(f"could not decode ({reason}): {err}", style="red")]
+        table.add_row(f"{msg.partition()}@{msg.offset()}", *cells)  # rich leaves the cells not given empty
+    return table
