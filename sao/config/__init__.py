@@ -29,7 +29,7 @@ from sao.config.env import DATASET_DEFAULT_OPTIONS, DEFAULT_DATASET, EnvConfig, 
 from sao.config.policy import MAX_RECALL_TURNS, CompressionConfig, FolderTransport, KafkaTransport, PolicyConfig
 from sao.config.run import MetricsConfig, RunConfig
 from sao.config.sampler import SamplerConfig
-from sao.config.section import TAGGED_TABLES, Section, available_cpu_ids, machine_cpu_ids, refuse_old_names
+from sao.config.section import TAGGED_TABLES, Section, available_cpu_ids, machine_cpu_ids
 from sao.config.trainer import LORA_ALL_LINEAR, LoraConfig, TrainerConfig
 from sao.config.transport import BrokerConfig, TopicsConfig
 
@@ -37,7 +37,7 @@ __all__ = ["DATASET_DEFAULT_OPTIONS", "DEFAULT_DATASET", "LORA_ALL_LINEAR", "MAX
            "CompressionConfig", "ConfigError", "EnvConfig", "FolderTransport", "GrpoAlgorithm", "KafkaTransport",
            "LoraConfig", "MaskedObjective", "MetricsConfig", "PolicyConfig", "PpoObjective", "RunConfig",
            "SamplerConfig", "SandboxConfig", "SaoAlgorithm", "SaoConfig", "Section", "TisObjective", "TopicsConfig",
-           "TrainerConfig", "available_cpu_ids", "load_config", "machine_cpu_ids", "refuse_old_names",
+           "TrainerConfig", "available_cpu_ids", "load_config", "machine_cpu_ids",
            "to_described_toml", "to_toml", "toml_value", "validate_config"]
 
 

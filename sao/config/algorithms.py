@@ -64,8 +64,3 @@ class MaskedObjective(Section):
 
 Algorithm = Annotated[SaoAlgorithm | GrpoAlgorithm, Field(discriminator="type"), tagged_table("sao")]
 Objective = Annotated[TisObjective | PpoObjective | MaskedObjective, Field(discriminator="type"), tagged_table("tis")]
-# Flat trainer knobs of earlier releases: still read (section.move_flat_knobs), with a warning naming where.
-MOVED_KNOBS = {"group_size": ("algorithm", "group_size", "grpo"), "tis_clip": ("objective", "clip", "tis"),
-                "ppo_clip": ("objective", "clip", "ppo"), "ppo_clip_high": ("objective", "clip_high", "ppo"),
-                "dual_clip": ("objective", "dual_clip", "ppo"), "mask_low": ("objective", "low", "masked"),
-                "mask_high": ("objective", "high", "masked")}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from sao.config.section import Section, refuse_old_names
+from sao.config.section import Section
 
 
 class SandboxConfig(Section):
@@ -39,6 +39,9 @@ DATASET_DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 class EnvConfig(Section):
+    old_names: ClassVar = {
+        "step_timeout_s": "is now env.turn_timeout_s (it bounds each env call of a turn; a step is an optimizer step)"}
+
     name: str = Field("arithmetic", description="Built-in env name, or `package.module:Class` of your own "
                       "(see sao/envs/registry.py).")
     dataset: str = Field(DEFAULT_DATASET, description="reasoning-gym dataset the tasks come from (any name "
@@ -79,10 +82,3 @@ class EnvConfig(Section):
             if isinstance(dataset, str) and isinstance(options, dict):
                 data = {**data, "dataset_options": {**DATASET_DEFAULT_OPTIONS.get(dataset, {}), **options}}
         return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_old_names(cls, data: Any) -> Any:
-        return refuse_old_names(data, "env", {
-            "step_timeout_s": "is now env.turn_timeout_s (it bounds each env call of a turn; a step is an "
-                              "optimizer step)"})

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from sao.config.section import Section, move_flat_knobs, tagged_table
+from sao.config.section import Section, tagged_table
 
 
 class FolderTransport(Section):
@@ -29,6 +29,8 @@ Transport = Annotated[FolderTransport | KafkaTransport, Field(discriminator="typ
 
 
 class PolicyConfig(Section):
+    moved_knobs: ClassVar = {"chunk_bytes": ("transport", "chunk_bytes", "kafka")}
+
     model: str = Field(
         "smollm2-135m-instruct",
         description="`smollm2-135m-instruct` (packaged, converted once to a cached safetensors folder), "
@@ -61,11 +63,6 @@ class PolicyConfig(Section):
         default_factory=FolderTransport,
         description="How published weights reach the samplers: folder or kafka, with that transport's own knobs. "
                     "The trainer writes its own files either way (sao eval, shadow scoring, checkpoints use them).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_knobs(cls, data: Any) -> Any:
-        return move_flat_knobs(data, "policy", {"chunk_bytes": ("transport", "chunk_bytes", "kafka")}, cls)
 
 
 # Earlier turns one step may recall as text: bounds compression.recall_turns, and readers check a trajectory

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from sao.config.section import Section, refuse_old_names
+from sao.config.section import Section
 
 
 class RunConfig(Section):
+    old_names: ClassVar = {
+        "max_tasks_in_flight": "is now run.max_trajectories_in_flight (it counts trajectories: grpo sends a task "
+                               "group_size times)"}
+
     num_tasks: int = Field(144, ge=1, description="Tasks the feeder sends (grpo: each group_size times); the run ends "
                                                  "when all their trajectories are trained on.")
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
@@ -44,13 +48,6 @@ class RunConfig(Section):
     heldout_cache_dir: str | None = Field(
         "~/.cache/sao/heldout", description="Where the base model's held-out results are kept, per model, settings "
                                             "and tasks, so later runs do not score it again; unset = no cache.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_old_names(cls, data: Any) -> Any:
-        return refuse_old_names(data, "run", {
-            "max_tasks_in_flight": "is now run.max_trajectories_in_flight (it counts trajectories: grpo sends a task "
-                                   "group_size times)"})
 
 
 class MetricsConfig(Section):

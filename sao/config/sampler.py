@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from sao.config.section import Section, available_cpu_ids, move_flat_knobs, tagged_table
+from sao.config.section import Section, available_cpu_ids, tagged_table
 
 
 class HfEngine(Section):
@@ -31,6 +31,10 @@ Engine = Annotated[AutoEngine | HfEngine | VllmEngine, Field(discriminator="type
 
 
 class SamplerConfig(Section):
+    # auto takes vLLM's knobs for where it picks vLLM; hf drops them
+    moved_knobs: ClassVar = {"vllm_kv_cache_gib": ("engine", "kv_cache_gib", ("auto", "vllm")),
+                             "vllm_compile": ("engine", "compile", ("auto", "vllm"))}
+
     num_samplers: int = Field(
         1, ge=1, description="Sampler processes `sao run` starts. On one machine one process batching more episodes "
                              "(sampler.rollout_batch) spends fewer CPU seconds a token than several batching fewer "
@@ -84,12 +88,4 @@ class SamplerConfig(Section):
                                  "than the model's context minus policy.max_new_tokens, is dead-lettered (too-large) "
                                  "before any generation.")
 
-
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_knobs(cls, data: Any) -> Any:
-        vllm = ("auto", "vllm")  # auto takes vLLM's knobs for where it picks vLLM; hf drops them
-        moved = {"vllm_kv_cache_gib": ("engine", "kv_cache_gib", vllm), "vllm_compile": ("engine", "compile", vllm)}
-        return move_flat_knobs(data, "sampler", moved, cls)

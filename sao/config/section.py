@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
 
 log = logging.getLogger(__name__)
 # Tables tagged by `type` (pydantic discriminated unions): the knob names whose value is one.
@@ -16,6 +16,20 @@ TAGGED_TABLES = ("algorithm", "objective", "transport", "engine")
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Knobs of earlier releases, by their old name: flat ones still read, moved into a tagged table (-> that table,
+    # knob, and the type or types it belongs to; see move_flat_knobs), and old names refused (-> what to use instead).
+    moved_knobs: ClassVar[dict[str, tuple[str, str, str | tuple[str, ...]]]] = {}
+    old_names: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_knobs(cls, data: Any) -> Any:
+        section = cls.__name__.removesuffix("Config").lower()  # TrainerConfig is the table `trainer`
+        data = move_flat_knobs(data, section, cls.moved_knobs, cls)
+        for old, instead in cls.old_names.items():
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"{section}.{old} {instead}")
+        return data
 
 
 def move_flat_knobs(data: Any, section: str, moved: dict[str, tuple[str, str, str | tuple[str, ...]]],
@@ -65,14 +79,6 @@ def machine_cpu_ids() -> list[int]:
             ranges = (part.split("-") for part in text.split(","))
             return sorted({cpu for bounds in ranges for cpu in range(int(bounds[0]), int(bounds[-1]) + 1)})
     return sorted(os.sched_getaffinity(0))
-
-
-def refuse_old_names(data: Any, section: str, old_names: dict[str, str]) -> Any:
-    """A config section's raw data, refused if it uses a knob's old name; each message says what to use."""
-    for old, instead in old_names.items():
-        if isinstance(data, dict) and old in data:
-            raise ValueError(f"{section}.{old} {instead}")
-    return data
 
 
 def available_cpu_ids(ids: list[int] | None) -> list[int] | None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from sao.config.algorithms import MOVED_KNOBS, Algorithm, Objective, SaoAlgorithm, TisObjective
-from sao.config.section import Section, available_cpu_ids, move_flat_knobs, refuse_old_names
+from sao.config.algorithms import Algorithm, Objective, SaoAlgorithm, TisObjective
+from sao.config.section import Section, available_cpu_ids
 
 LORA_ALL_LINEAR = "all-linear"
 
@@ -41,6 +41,16 @@ class LoraConfig(Section):
 
 
 class TrainerConfig(Section):
+    moved_knobs: ClassVar = {
+        "group_size": ("algorithm", "group_size", "grpo"), "tis_clip": ("objective", "clip", "tis"),
+        "ppo_clip": ("objective", "clip", "ppo"), "ppo_clip_high": ("objective", "clip_high", "ppo"),
+        "dual_clip": ("objective", "dual_clip", "ppo"), "mask_low": ("objective", "low", "masked"),
+        "mask_high": ("objective", "high", "masked")}
+    old_names: ClassVar = {
+        "eval_every": "is retired: shadow validation replaces it (trainer.shadow_every)",
+        "eval_tasks": "is retired: shadow validation replaces it (trainer.shadow_tasks)",
+        "whiten_advantages": "is now trainer.scale_advantages (it scales; trainer.center_advantages centres)"}
+
     algorithm: Algorithm = Field(
         default_factory=SaoAlgorithm, description="What the trainer optimises: sao (the default) or grpo (the "
                                                   "comparison baseline), with that algorithm's own knobs.")
@@ -175,7 +185,6 @@ class TrainerConfig(Section):
         default_factory=dict, description="Inline DeepSpeed settings, merged last (over deepspeed_config).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA training (off by default): see its knobs.")
 
-
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)
 
     @property
@@ -192,15 +201,6 @@ class TrainerConfig(Section):
     def sequence_level_ratio(self) -> bool:
         """One importance ratio over all of a trajectory's rows (tis/masked with importance_level = sequence)."""
         return self.importance_level == "sequence" and self.objective.type != "ppo"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_retired_knobs(cls, data: Any) -> Any:
-        moved = move_flat_knobs(data, "trainer", MOVED_KNOBS, cls)
-        return refuse_old_names(moved, "trainer", {
-            "eval_every": "is retired: shadow validation replaces it (trainer.shadow_every)",
-            "eval_tasks": "is retired: shadow validation replaces it (trainer.shadow_tasks)",
-            "whiten_advantages": "is now trainer.scale_advantages (it scales; trainer.center_advantages centres)"})
 
     @model_validator(mode="after")
     def _threads_positive(self) -> TrainerConfig:
