@@ -158,14 +158,9 @@ def _nearest_knobs(loc: tuple[Any, ...]) -> str:
 
 
 def to_toml(config: SaoConfig) -> str:
-    """Render the effective config as TOML (what `sao config show` prints and runs record)."""
-    lines: list[str] = []
-    for section, values in config.model_dump(exclude_none=True).items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
+    """The effective config as TOML, inner tables inline: what runs record (`sao config show`: to_described_toml)."""
+    return "\n".join(f"[{section}]\n" + "".join(f"{key} = {toml_value(value)}\n" for key, value in values.items())
+                     for section, values in config.model_dump(exclude_none=True).items())
 
 
 def to_described_toml(config: SaoConfig | BaseModel, describe: bool = False, table: str = "") -> str:
