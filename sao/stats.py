@@ -48,6 +48,4 @@ def paired_gain(base: list[float], final: list[float]) -> tuple[float | None, fl
     if len(base) != len(final):
         raise ValueError(f"paired scores need one base and one final score per item ({len(base)} vs {len(final)})")
     differences = [after - before for before, after in zip(base, final)]
-    if not differences:
-        return None, None
-    return sum(differences) / len(differences), stderr(differences)
+    return (sum(differences) / len(differences) if differences else None), stderr(differences)
