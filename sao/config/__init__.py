@@ -38,7 +38,7 @@ __all__ = ["DATASET_DEFAULT_OPTIONS", "DEFAULT_DATASET", "LORA_ALL_LINEAR", "MAX
            "LoraConfig", "MaskedObjective", "MetricsConfig", "PolicyConfig", "PpoObjective", "RunConfig",
            "SamplerConfig", "SandboxConfig", "SaoAlgorithm", "SaoConfig", "Section", "TisObjective", "TopicsConfig",
            "TrainerConfig", "available_cpu_ids", "load_config", "machine_cpu_ids",
-           "to_described_toml", "to_toml", "toml_value", "validate_config"]
+           "to_described_toml", "to_toml", "toml_value"]
 
 
 class SaoConfig(Section):
@@ -122,10 +122,6 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--set {item!r}: expected section.knob=value")
         key, raw = item.split("=", 1)
         _set_path(tree, key.strip(), _parse_value(raw.strip()))
-    return validate_config(tree)
-
-
-def validate_config(tree: dict[str, Any]) -> SaoConfig:
     try:
         return SaoConfig.model_validate(tree)
     except ValidationError as err:
