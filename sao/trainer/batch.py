@@ -139,19 +139,16 @@ def plan_batch(batch: list[Trajectory], baseline: RewardBaseline, cfg: TrainerCo
     # own_reward: the turns are attempts at one question; GRPO stays the plain comparison baseline.
     if cfg.retry_hindsight and cfg.turn_credit == "own_reward" and not grouped:
         hindsight = {index: retry for index, own in enumerate(returns) if (retry := better_retry(own)) is not None}
-        answers = {}
         for index, retry in list(hindsight.items()):
             inputs = training_inputs(batch[index])
             answer = hindsight_reply(batch[index], retry) if hindsight_reply is not None else None
-            if answer is not None:
-                actions[index], answers[index] = answer.action_ids, answer
+            row = _hindsight_row(inputs, inputs[retry].action_ids if answer is None else answer.action_ids)
             # Validation bounds the sampled rows by the pass budget; a hindsight row that would not fit is left out.
-            if _hindsight_row(inputs, actions.get(index, inputs[retry].action_ids)).positions > cfg.micro_batch_tokens:
+            if row.positions > cfg.micro_batch_tokens:
                 del hindsight[index]
-                actions.pop(index, None)
-        for index, retry in hindsight.items():
-            if index in answers:  # the question's own answer: judged as a first try, against the first try's baseline
-                advantages[index].append(answers[index].first_try_return - baselines[index][0])
+            elif answer is not None:  # the question's own answer: judged as a first try, against turn 0's baseline
+                actions[index] = answer.action_ids
+                advantages[index].append(answer.first_try_return - baselines[index][0])
             else:  # the retry's own reply, worded for its feedback: taught as strongly as the retry itself
                 advantages[index].append(advantages[index][retry])
     if cfg.scale_advantages:
@@ -250,27 +247,22 @@ def rank_loss(engine, plan: BatchPlan, rows: list[Row], normaliser: float, cfg: 
     if base_policy is not None:
         with torch.no_grad():
             base_logprobs = _score(base_policy, scoring, cfg.length_buckets)
-    if not cfg.value_head:
-        logprobs = _score(engine, scoring, cfg.length_buckets)
-        behaviour_logprobs = _on_policy_where_unsampled(behaviour_logprobs, logprobs)
-        return policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, token_weights,
-                                      torch.tensor(row_trajectory, device=device), normaliser, base_logprobs), cfg)
-    logprobs, values = _score(engine, scoring, cfg.length_buckets, with_values=True)
-    behaviour_logprobs = _on_policy_where_unsampled(behaviour_logprobs, logprobs)
-    targets = torch.tensor(returns, device=device)
-    row_advantages = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
-    token_weights = row_advantages.unsqueeze(-1).expand_as(logprobs)
+    scored = _score(engine, scoring, cfg.length_buckets, with_values=cfg.value_head)
+    logprobs, values = scored if cfg.value_head else (scored, None)
+    # Hindsight rows (NaN behaviour) count as drawn from the current policy: ratio 1, a plain policy gradient.
+    behaviour_logprobs = torch.where(torch.isnan(behaviour_logprobs), logprobs.detach(), behaviour_logprobs)
+    if cfg.value_head:
+        targets = torch.tensor(returns, device=device)
+        row_advantages = (targets - values.detach()) * torch.tensor(freshness, device=device)  # A_t = G_t - V(s_t)
+        token_weights = row_advantages.unsqueeze(-1).expand_as(logprobs)
     loss, stats = policy_loss(LossInputs(logprobs, behaviour_logprobs, scoring.action_mask, token_weights,
                                          torch.tensor(row_trajectory, device=device), normaliser, base_logprobs), cfg)
+    if not cfg.value_head:
+        return loss, stats
     live = torch.tensor(freshness, device=device) > 0  # idle-rank padding rows do not train the value head
     value_loss = ((values - targets) ** 2 * live).sum() / normaliser
     total = loss + cfg.value_coef * value_loss
     return total, replace(stats, loss=float(total.detach()), value_loss=float(value_loss.detach()))
-
-
-def _on_policy_where_unsampled(behaviour_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """Hindsight rows (NaN behaviour) count as drawn from the current policy: ratio 1, a plain policy gradient."""
-    return torch.where(torch.isnan(behaviour_logprobs), logprobs.detach(), behaviour_logprobs)
 
 
 # A split costs one more pass of fixed overhead (ZeRO-3 gathers and hooks per module); below this
@@ -330,20 +322,18 @@ def _score(engine, scoring: ScoringBatch, max_buckets: int, with_values: bool = 
     # own rows must make the same number of passes, or the collectives pair up wrongly and hang.
     buckets = length_buckets(lengths, max_buckets if world_size() == 1 else 1)
     if len(buckets) <= 1:
-        return engine(scoring, with_values=True) if with_values else engine(scoring)
+        return engine(scoring, with_values=with_values)
     width = scoring.token_ids.shape[1]
     logprobs, values, order = [], [], []
     for bucket in buckets:
         rows = torch.tensor(bucket, device=scoring.token_ids.device)
         bucket_width = max(lengths[row] for row in bucket)
-        out = engine(_rows(scoring, rows, bucket_width), with_values=True) if with_values else \
-            engine(_rows(scoring, rows, bucket_width))
+        out = engine(_rows(scoring, rows, bucket_width), with_values=with_values)
         bucket_logprobs, bucket_values = out if with_values else (out, None)
         logprobs.append(F.pad(bucket_logprobs, (0, width - bucket_width)))
         values.append(bucket_values)
         order += bucket
-    inverse = torch.empty(len(order), dtype=torch.long, device=scoring.token_ids.device)
-    inverse[torch.tensor(order, device=inverse.device)] = torch.arange(len(order), device=inverse.device)
+    inverse = torch.tensor(order, device=scoring.token_ids.device).argsort()  # row -> its place in `order`
     if with_values:
         return torch.cat(logprobs)[inverse], torch.cat(values)[inverse]
     return torch.cat(logprobs)[inverse]
