@@ -10,7 +10,6 @@ trains on whatever fresh trajectories Kafka holds, in arrival order (or by prior
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from concurrent.futures import Future
@@ -71,8 +70,8 @@ class Trainer:
         self.run_dir = RunDir(run_dir)
         self.bootstrap = bootstrap
         # Shadow validation (sao/trainer/shadow_validation.py). Its scorer loads its model while this process
-        # builds the engine, not after (RANK: torch.distributed is not up yet).
-        self.shadow = self._start_shadow_validation(os.environ.get("RANK", "0") == "0", resume) \
+        # builds the engine, not after.
+        self.shadow = ShadowValidation.start(config, self.run_dir, resume, background_cpus(config)) \
             if config.trainer.shadow_every else NoShadow()
         # Where start-up time goes (a restart's cost, benchmarks/recovery.py): phase -> seconds.
         self.startup_s: dict[str, float] = {}
@@ -286,14 +285,6 @@ class Trainer:
             self.shadow.offer(self.engine, self.state.policy_version)
 
     # --- shadow validation (sao/trainer/shadow_validation.py) --------------------------------
-
-    def _start_shadow_validation(self, is_leader: bool, resume: bool) -> ShadowValidation:
-        if is_leader:
-            self.run_dir.root.mkdir(parents=True, exist_ok=True)
-            self.run_dir.trainer_config.write_text(to_toml(self.config))
-        cpus = background_cpus(self.config)
-        return ShadowValidation.start(self.config.trainer, self.run_dir, self.run_dir.trainer_config, is_leader,
-                                      resume, cpus)
 
     def _follow_shadow(self) -> None:
         """A version that fell below the best is rolled back to the best before the next step."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from sao import metrics
-from sao.config import TrainerConfig
+from sao.config import SaoConfig, TrainerConfig, to_toml
 from sao.run_dir import RunDir
 from sao.status import write_status
 from sao.trainer.shadow import Drop, ShadowBoard, ShadowScore, ShadowScorerProcess, earlier_board, link_best
@@ -48,14 +48,17 @@ class ShadowValidation:
         self.offered: int | None = None  # the last version handed to the scorer
 
     @classmethod
-    def start(cls, config: TrainerConfig, run_dir: RunDir, config_path, is_leader: bool,
-              resume: bool = False, cpus: set[int] | None = None) -> ShadowValidation:
-        """Rank 0 starts the scorer now, so it loads its model while the trainer builds its engine. A resumed
-        trainer goes on with the earlier lives' scores (their versions have no snapshot: no rollback to them)."""
-        if not is_leader:
-            return cls(config, run_dir, None, cpus=cpus)
-        board = earlier_board(run_dir, config.shadow_margin) if resume else None
-        return cls(config, run_dir, ShadowScorerProcess(run_dir, config_path, cpus), board, cpus)
+    def start(cls, config: SaoConfig, run_dir: RunDir, resume: bool = False,
+              cpus: set[int] | None = None) -> ShadowValidation:
+        """Rank 0 writes the trainer's config for the scorer and starts it now, so it loads its model while the
+        trainer builds its engine (RANK: torch.distributed is not up yet). A resumed trainer goes on with the
+        earlier lives' scores (their versions have no snapshot: no rollback to them)."""
+        if os.environ.get("RANK", "0") != "0":
+            return cls(config.trainer, run_dir, None, cpus=cpus)
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        run_dir.trainer_config.write_text(to_toml(config))
+        board = earlier_board(run_dir, config.trainer.shadow_margin) if resume else None
+        return cls(config.trainer, run_dir, ShadowScorerProcess(run_dir, run_dir.trainer_config, cpus), board, cpus)
 
     def pinned(self) -> set[int]:
         """Versions whose files must outlive trainer.keep_versions: the best one and the one being scored."""
