@@ -68,7 +68,6 @@ class Trainer:
         resolved = config.trainer.model_copy(update={"turn_credit": turn_credit(config)})
         self.config = config = config.model_copy(update={"trainer": resolved})
         self.run_dir = RunDir(run_dir)
-        self.bootstrap = bootstrap
         # Shadow validation (sao/trainer/shadow_validation.py). Its scorer loads its model while this process
         # builds the engine, not after.
         self.shadow = ShadowValidation.start(config, self.run_dir, resume, background_cpus(config)) \
@@ -79,12 +78,21 @@ class Trainer:
         resuming = resume and has_checkpoint(self.run_dir.checkpoints)
         # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
         verified = in_background(verify_checkpoint, self.run_dir.checkpoints) if resuming else None
-        validator = self._build_engine()
+        # The policy (and its frozen base copy), then the ZeRO-3 engine.
+        built = build_policy_engine(config, self._started)
+        self.engine, self.base_policy, self.memory_width = built.engine, built.base_policy, built.memory_width
+        self.batch_size, self.accumulation = built.batch_size, built.accumulation
+        self.hindsight_reply = built.hindsight_reply
         restored = self._restore(bootstrap, resume, resuming, verified)
-        self.baseline = self._reward_baseline()
-        self.buffer = self._replay_buffer()
-        self.role = self._role(bootstrap, restored, resume, validator)
-        self.publisher = self._policy_publisher()
+        cfg = config.trainer
+        self.baseline = RewardBaseline(cfg.baseline_key, cfg.baseline_momentum)
+        if self.state.baseline:
+            self.baseline.load_state_dict(self.state.baseline)
+        self.buffer = ReplayBuffer(cfg.max_reuse, cfg.priority_exponent, cfg.freshness_decay)
+        restore_rng(self.state, self.buffer.rng)  # a resumed run draws the same random numbers it would have drawn
+        self.role = self._role(bootstrap, restored, resume, built.validator)
+        self.publisher = PolicyPublisher.for_trainer(config, self.role.producer, bootstrap, self.run_dir)
+        self.publisher.pinned = self.shadow.pinned
         self.steps: list[StepRecord] = []  # this life's steps, in the progress file
         self.idle_s = 0.0  # seconds `run` waited for a batch (the trainer idle ratio's numerator)
         self.checkpoint_s = 0.0  # seconds spent saving checkpoints
@@ -103,14 +111,6 @@ class Trainer:
         log.info("trainer ready in %.1f s since its process started (%s)", time.time() - process_started_at(),
                  ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.startup_s.items()))
 
-    def _build_engine(self) -> TrajectoryValidator:
-        """The policy (and its frozen base copy), then the ZeRO-3 engine; returns the policy's validator."""
-        built = build_policy_engine(self.config, self._started)
-        self.engine, self.base_policy, self.memory_width = built.engine, built.base_policy, built.memory_width
-        self.batch_size, self.accumulation = built.batch_size, built.accumulation
-        self.hindsight_reply = built.hindsight_reply
-        return built.validator
-
     def _restore(self, bootstrap: str, resume: bool, resuming: bool, verified: Future | None) -> TrainerState | None:
         """`self.state`: the latest checkpoint's on `resume` (its engine state loaded), else a fresh one.
         Returns the restored state, None without one."""
@@ -126,17 +126,6 @@ class Trainer:
             self.state.policy_version = next_free_version(self.state, announced, self.engine.device)
         return restored
 
-    def _reward_baseline(self) -> RewardBaseline:
-        baseline = RewardBaseline(self.config.trainer.baseline_key, self.config.trainer.baseline_momentum)
-        if self.state.baseline:
-            baseline.load_state_dict(self.state.baseline)
-        return baseline
-
-    def _policy_publisher(self) -> PolicyPublisher:
-        publisher = PolicyPublisher.for_trainer(self.config, self.role.producer, self.bootstrap, self.run_dir)
-        publisher.pinned = self.shadow.pinned
-        return publisher
-
     def _role(self, bootstrap: str, restored: TrainerState | None, resume: bool,
               validator: TrajectoryValidator) -> Follower:
         """Rank 0 leads (its broker clients and, unless trainer.keep_trajectory_log is off, the trajectory log,
@@ -150,12 +139,6 @@ class Trainer:
             archive.life(self.state.step, self.state.policy_version, restored is not None, world_size(),
                          to_toml(self.config))
         return Leader(self.config, io, self.buffer, self.run_dir, archive, self.batch_size)
-
-    def _replay_buffer(self) -> ReplayBuffer:
-        cfg = self.config.trainer
-        buffer = ReplayBuffer(cfg.max_reuse, cfg.priority_exponent, cfg.freshness_decay)
-        restore_rng(self.state, buffer.rng)  # a resumed run draws the same random numbers it would have drawn
-        return buffer
 
     def _started(self, phase: str) -> None:
         """Close start-up phase `phase`: the seconds since the previous one closed."""
@@ -201,7 +184,10 @@ class Trainer:
             if self.state.step > checkpointed_at:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
             elif has_checkpoint(self.run_dir.checkpoints) and self.role.handled_since(self.state):
-                self._record_dead_letters()
+                # Dead letters since the last step's checkpoint: bring its offsets and counts up to date, or
+                # a resume would read those messages again and dead-letter each a second time.
+                self.role.note_in(self.state)
+                update_checkpoint_state(self.run_dir.checkpoints, self.state)
             self.shadow.finish(self.state.policy_version)
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
@@ -304,14 +290,6 @@ class Trainer:
         since = self.state.step - checkpointed_at
         return (f"{self.role.in_flight()}; step {self.state.step}; last checkpoint at step {checkpointed_at} "
                 f"(offsets {self.state.offsets})" + (f", so a resume retrains the {since} step(s) after it" if since else ""))
-
-    def _record_dead_letters(self) -> None:
-        """Rank 0, at a stop with no step since the last checkpoint: bring its offsets and counts up to date.
-
-        Otherwise a resume would read those messages again and dead-letter each a second time.
-        """
-        self.role.note_in(self.state)
-        update_checkpoint_state(self.run_dir.checkpoints, self.state)
 
     def _checkpoint(self) -> int:
         self.role.note_in(self.state)
