@@ -27,7 +27,7 @@ import torch.distributed as dist
 from sao.policy.weights import sha256_file
 from sao.run_dir import CHECKPOINT_STATE
 from sao.status import write_atomically
-from sao.trainer.distributed import rank, world_size
+from sao.trainer.distributed import from_leader, rank
 
 log = logging.getLogger(__name__)
 
@@ -210,11 +210,8 @@ def next_free_version(state: TrainerState, announced: Future[int] | None, device
     """After a resume, the version to go on from: above every version ever announced (`announced`, read by rank 0
     and broadcast), not the checkpoint's. A crashed run may have announced versions after its last checkpoint;
     reusing their numbers would leave samplers that loaded them on the abandoned weights."""
-    version = torch.tensor([state.policy_version], dtype=torch.long, device=device)
-    if rank() == 0:
-        version[0] = max(state.policy_version, announced.result())
-    if world_size() > 1:
-        dist.broadcast(version, src=0)
-    if int(version) != state.policy_version:
-        log.info("resuming at policy v%d: versions up to it were announced before the crash", int(version))
-    return int(version)
+    version = max(state.policy_version, announced.result()) if rank() == 0 else state.policy_version
+    [version] = from_leader([version], device)
+    if version != state.policy_version:
+        log.info("resuming at policy v%d: versions up to it were announced before the crash", version)
+    return version

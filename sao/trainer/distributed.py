@@ -35,6 +35,15 @@ def agreed_max(value: int, device: torch.device) -> int:
     return int(agreed)
 
 
+def from_leader(values: list[int], device: torch.device) -> list[int]:
+    """Rank 0's integers, on every rank (every rank calls it at the same point)."""
+    if world_size() == 1:
+        return values
+    agreed = torch.tensor(values, dtype=torch.long, device=device)
+    dist.broadcast(agreed, src=0)
+    return agreed.tolist()
+
+
 def broadcast_batch(entries: list[BufferEntry] | None, stop: bool, device: torch.device) -> tuple[list[Trajectory], bool]:
     """Rank 0 passes its buffer entries and whether training should stop; every rank gets both back.
 

@@ -12,28 +12,19 @@ import os
 import time
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 from sao import metrics
 from sao.config import SaoConfig, TrainerConfig, to_toml
 from sao.run_dir import RunDir
 from sao.status import write_status
+from sao.trainer.distributed import from_leader
 from sao.trainer.shadow import Drop, ShadowBoard, ShadowScore, ShadowScorerProcess, earlier_board, link_best
 from sao.trainer.snapshots import OptimizerSnapshots
 
 log = logging.getLogger(__name__)
 
 FINAL_SCORE_WAIT_S = 600.0  # after the last step nothing else runs: the scorer has the machine
-
-
-def _from_leader(values: list[int], device: torch.device) -> list[int]:
-    """Rank 0's integers, on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    agreed = torch.tensor(values, dtype=torch.long, device=device)
-    dist.broadcast(agreed, src=0)
-    return agreed.tolist()
 
 
 class ShadowValidation:
@@ -70,7 +61,7 @@ class ShadowValidation:
         """Hand `version` to the scorer if it is idle and shadow_every versions have passed since the last one;
         then snapshot the optimizer at it, so a rollback can return here."""
         due = self.offered is None or version - self.offered >= self.config.shadow_every
-        [offer] = _from_leader([int(self.scorer is not None and due and self.scorer.idle)], engine.device)
+        [offer] = from_leader([int(self.scorer is not None and due and self.scorer.idle)], engine.device)
         if not offer:
             return
         started = time.perf_counter()
@@ -92,7 +83,7 @@ class ShadowValidation:
                 self.write()
             best = -1 if self.board.best is None else self.board.best
             pending = -1 if self.scorer.pending is None else self.scorer.pending
-        back_to, best, pending = _from_leader([back_to, best, pending], engine.device)
+        back_to, best, pending = from_leader([back_to, best, pending], engine.device)
         self.snapshots.keep_only({best, pending} - {-1})
         return back_to if back_to >= 0 else None
 
