@@ -7,6 +7,8 @@ processes), and every rank decodes them with the same validating codec.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -51,32 +53,24 @@ def broadcast_batch(entries: list[BufferEntry] | None, stop: bool, device: torch
     """
     if world_size() == 1:
         return [entry.trajectory for entry in entries or []], stop
-    raw_messages = [entry.raw for entry in entries or []] if rank() == 0 else None
-    header = torch.zeros(2, dtype=torch.long, device=device)
-    if rank() == 0:
-        lengths = torch.tensor([len(raw) for raw in raw_messages or []], dtype=torch.long, device=device)
-        header[0], header[1] = len(lengths), int(stop)
+    leader = rank() == 0
+    raw_messages = [entry.raw for entry in entries or []]  # rank 0's: the other ranks have none
+    header = torch.tensor([len(raw_messages), int(stop)], dtype=torch.long, device=device)
     dist.broadcast(header, src=0)
     count, stop = int(header[0]), bool(header[1])
-    if rank() != 0:
-        lengths = torch.zeros(count, dtype=torch.long, device=device)
+    sizes = [len(raw) for raw in raw_messages] if leader else [0] * count
+    lengths = torch.tensor(sizes, dtype=torch.long, device=device)
     dist.broadcast(lengths, src=0)
     total = int(lengths.sum())
-    if rank() == 0:
-        payload = torch.frombuffer(bytearray(b"".join(raw_messages or [])), dtype=torch.uint8).to(device) if total else \
-            torch.zeros(0, dtype=torch.uint8, device=device)
-    else:
-        payload = torch.zeros(total, dtype=torch.uint8, device=device)
+    payload = torch.frombuffer(bytearray(b"".join(raw_messages)), dtype=torch.uint8).to(device) if leader and total \
+        else torch.zeros(total, dtype=torch.uint8, device=device)
     if total:
         dist.broadcast(payload, src=0)
-    if rank() == 0:
+    if leader:
         return [entry.trajectory for entry in entries or []], stop
     data = payload.cpu().numpy().tobytes()
-    batch, start = [], 0
-    for length in lengths.tolist():
-        batch.append(decode(data[start:start + length], Trajectory))
-        start += length
-    return batch, stop
+    ends = list(itertools.accumulate(lengths.tolist()))
+    return [decode(data[start:end], Trajectory) for start, end in zip([0, *ends], ends)], stop
 
 
 def all_reduce_stats(parts: list[LossStats], shards: int, device: torch.device) -> LossStats:
