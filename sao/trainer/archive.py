@@ -70,10 +70,7 @@ class TrajectoryArchive:
         """How much of an existing log continues (0: none); remembers the positions it holds."""
         if not keep_bytes:
             return 0
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            size = 0
+        size = self.path.stat().st_size if self.path.exists() else 0
         if size < keep_bytes:
             log.warning("trajectory log %s holds %d bytes, fewer than the %d its checkpoint recorded: it starts "
                         "anew, and `sao replay` cannot rebuild this run's earlier versions", self.path, size, keep_bytes)
@@ -86,11 +83,13 @@ class TrajectoryArchive:
                 self.archived.add((record["partition"], record["offset"]))
         return keep_bytes
 
-    def _append(self, record: dict[str, Any]) -> int:
+    def _append(self, record: dict[str, Any], flush: bool = True) -> int:
         started = time.perf_counter()
         payload = msgpack.packb(record, use_bin_type=True)
         self.handle.write(_LENGTH.pack(len(payload)))
         self.handle.write(payload)
+        if flush:
+            self.handle.flush()
         written = _LENGTH.size + len(payload)
         self.stats.bytes += written
         self.stats.write_s += time.perf_counter() - started
@@ -105,7 +104,6 @@ class TrajectoryArchive:
                       "world_size": world_size, "torch_threads": torch.get_num_threads(),
                       "torch": torch.__version__, "machine": platform.machine(), "processor": _cpu_model(),
                       "config": config_toml, "started_at": time.time(), **facts})
-        self.flush()
 
     def trajectory(self, topic: str, partition: int, offset: int, value: bytes | None) -> None:
         """A message read from the trajectories topic; one already in the log (re-read after a resume) is skipped."""
@@ -114,7 +112,7 @@ class TrajectoryArchive:
         self.archived.add((partition, offset))
         self.stats.trajectories += 1
         self.stats.trajectory_bytes += self._append({"kind": "trajectory", "topic": topic, "partition": partition,
-                                                     "offset": offset, "value": value})
+                                                     "offset": offset, "value": value}, flush=False)
 
     def step(self, step: int | None, policy_version: int, batch: list[Position], trained: list[Position],
              applied: bool, learning_rate: float, passes: list[list[tuple[int, tuple[int, ...]]]],
@@ -125,19 +123,16 @@ class TrajectoryArchive:
                       "batch": [list(p) for p in batch], "trained": [list(p) for p in trained], "applied": applied,
                       "skipped_reason": str(skipped_reason) if skipped_reason else None,
                       "learning_rate": learning_rate, "passes": logged_passes(passes)})
-        self.flush()
 
     def rollback(self, event: dict[str, int]) -> None:
         """A shadow rollback, before the step `event["step"] + 1` trained on the restored weights."""
         self._append({"kind": "rollback", **event})
-        self.flush()
 
     def published(self, version: int, step: int, state_sha256: str, sha256: str,
                   tensor_sha256: dict[str, bytes] | None) -> None:
         """A published version: its state's hash (deltas.state_sha256) and, where known, each tensor's."""
         self._append({"kind": "published", "version": version, "step": step, "state_sha256": state_sha256,
                       "sha256": sha256, "tensor_sha256": tensor_sha256})
-        self.flush()
 
     def flush(self) -> None:
         started = time.perf_counter()
