@@ -40,7 +40,11 @@ class LeaderIO:
         """Rank 0's clients, started from `state` (a restored checkpoint's, or a fresh one)."""
         broker_watch = _watch_broker(bootstrap, config, run_dir, restored, resume)
         producer = RenewingProducer(bootstrap, broker_watch)
-        stream = _trajectory_stream(bootstrap, config, producer, validator, state, restored is not None)
+        # Resumed where `state` says when it was restored from a checkpoint.
+        stream = TrajectoryStream(bootstrap, config.topics.trajectories, DeadLetterQueue(producer, config.topics.dlq),
+                                  config.trainer.max_staleness, validator,
+                                  state.offsets if restored is not None else None, set(state.seen_trajectory_ids),
+                                  config.topics.trainer_group, state.dead_lettered_offsets, config.broker.fetch_wait_ms)
         dead_tasks = DeadLetteredTasks(bootstrap, config.topics.dlq, config.topics.tasks)
         return cls(broker_watch, producer, stream, dead_tasks, state.handled)
 
@@ -98,12 +102,3 @@ def _watch_broker(bootstrap: str, config: SaoConfig, run_dir: RunDir, restored: 
         broker_watch.expect_cluster(restored.broker_cluster_id, f"checkpoint step {restored.step}")
     bind_run_to_cluster(run_dir, broker_watch, resume)  # with or without a checkpoint, another cluster is refused
     return broker_watch
-
-
-def _trajectory_stream(bootstrap: str, config: SaoConfig, producer: RenewingProducer,
-                       validator: TrajectoryValidator, state: TrainerState, restored: bool) -> TrajectoryStream:
-    """The stream, resumed where `state` says when it was restored from a checkpoint."""
-    return TrajectoryStream(bootstrap, config.topics.trajectories, DeadLetterQueue(producer, config.topics.dlq),
-                            config.trainer.max_staleness, validator, state.offsets if restored else None,
-                            set(state.seen_trajectory_ids), config.topics.trainer_group, state.dead_lettered_offsets,
-                            config.broker.fetch_wait_ms)
