@@ -68,20 +68,13 @@ class SemanticEncoder:
         path, self.name = _resolve(model)
         self.device = device
         self.batch_size = batch_size
-        self._model = SentenceTransformer(path, device=device)
-        get_dim = getattr(self._model, "get_embedding_dimension", None) or (
-            self._model.get_sentence_embedding_dimension
-        )
+        self.model = SentenceTransformer(path, device=device)  # benchmarks compare against its own encode
+        get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         dim = get_dim()
         if not dim:
             raise ValueError(f"encoder {self.name!r} does not report its embedding dimension")
         self.dim = int(dim)
         logger.info("loaded sentence encoder %s (%d-d) on %s", self.name, self.dim, device)
-
-    @property
-    def model(self):
-        """The underlying SentenceTransformer (benchmarks compare against its own encode)."""
-        return self._model
 
     def clear_cache(self) -> None:
         with self._cache_lock:
@@ -121,8 +114,8 @@ class SemanticEncoder:
         started = time.perf_counter()
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for indices in self._same_length_groups(texts):
-            vectors = self._model.encode([texts[i] for i in indices], batch_size=self.batch_size, convert_to_numpy=True,
-                                         normalize_embeddings=True, show_progress_bar=False)
+            vectors = self.model.encode([texts[i] for i in indices], batch_size=self.batch_size, convert_to_numpy=True,
+                                        normalize_embeddings=True, show_progress_bar=False)
             out[indices] = vectors.astype(np.float32, copy=False)
         record_encode(self.name, len(texts), time.perf_counter() - started)
         return out
@@ -132,7 +125,7 @@ class SemanticEncoder:
         if len(texts) <= 1:
             return [list(range(len(texts)))] if texts else []
         # sentence-transformers >= 6 renamed tokenize() to preprocess(); both pad to the longest.
-        preprocess = getattr(self._model, "preprocess", None) or self._model.tokenize
+        preprocess = getattr(self.model, "preprocess", None) or self.model.tokenize
         lengths = preprocess(texts)["attention_mask"].sum(dim=1).tolist()
         groups: dict[int, list[int]] = defaultdict(list)
         for index, length in enumerate(lengths):
