@@ -56,8 +56,7 @@ class NextEmbeddingLSTM(torch.nn.Module):
         """Advance one step online: ([dim], state or None) -> (prediction [dim], new state)."""
         x = embedding.reshape(1, 1, self.dim)
         hidden_states, state = self.lstm(x, state)
-        prediction = F.normalize(x + self.head(hidden_states), dim=-1)
-        return prediction.reshape(self.dim), state
+        return F.normalize(x + self.head(hidden_states), dim=-1).reshape(self.dim), state
 
 
 @dataclass(frozen=True)
@@ -148,10 +147,6 @@ class TemporalFilter:
         return [_decide(t == 0, float(rewards[t]), float(errors[t]), self.threshold) for t in range(len(embeddings))]
 
 
-def _as_model(filter_model: NextEmbeddingLSTM | TemporalFilter) -> NextEmbeddingLSTM:
-    return filter_model.model if isinstance(filter_model, TemporalFilter) else filter_model
-
-
 def calibrate_threshold(filter_model: NextEmbeddingLSTM | TemporalFilter, sequences: Sequence[np.ndarray],
                         target_keep_ratio: float) -> float:
     """Threshold that keeps about `target_keep_ratio` of all steps of `sequences`.
@@ -162,7 +157,7 @@ def calibrate_threshold(filter_model: NextEmbeddingLSTM | TemporalFilter, sequen
     """
     if not 0.0 < target_keep_ratio <= 1.0:
         raise ValueError(f"target_keep_ratio must be in (0, 1], got {target_keep_ratio}")
-    model = _as_model(filter_model)
+    model = filter_model.model if isinstance(filter_model, TemporalFilter) else filter_model
     errors = np.concatenate([sequence_errors(model, s) for s in sequences] + [np.zeros(0)])
     if errors.size == 0:
         raise ValueError("calibration needs at least one sequence of two or more steps")

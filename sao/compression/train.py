@@ -41,10 +41,6 @@ def _pair_losses(predictions: torch.Tensor, batch: torch.Tensor) -> torch.Tensor
     return 1.0 - F.cosine_similarity(predictions[:, :-1], batch[:, 1:], dim=-1)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(values[mask].mean())
-
-
 def train_temporal_model(sequences: Sequence[np.ndarray], dim: int, hidden: int = 256, epochs: int = 30,
                          lr: float = 1e-3, seed: int = 0, batch_size: int = 32, val_fraction: float = 0.1,
                          chunk_length: int = 128) -> tuple[NextEmbeddingLSTM, dict]:
@@ -85,7 +81,7 @@ def train_temporal_model(sequences: Sequence[np.ndarray], dim: int, hidden: int 
     def evaluate(batch: torch.Tensor, mask: torch.Tensor) -> float:
         model.eval()
         with torch.no_grad():
-            return _masked_mean(_pair_losses(model(batch), batch), mask)
+            return float(_pair_losses(model(batch), batch)[mask].mean())
 
     best = {"val_loss": evaluate(val_batch, val_mask), "train_loss": evaluate(train_all, train_all_mask),
             "epoch": 0, "state": {k: v.clone() for k, v in model.state_dict().items()}}
@@ -111,8 +107,8 @@ def train_temporal_model(sequences: Sequence[np.ndarray], dim: int, hidden: int 
     stats = {
         "train_loss": best["train_loss"],
         "val_loss": best["val_loss"],
-        "baseline_train_loss": _masked_mean(_pair_losses(train_all, train_all), train_all_mask),
-        "baseline_val_loss": _masked_mean(_pair_losses(val_batch, val_batch), val_mask),
+        "baseline_train_loss": float(_pair_losses(train_all, train_all)[train_all_mask].mean()),
+        "baseline_val_loss": float(_pair_losses(val_batch, val_batch)[val_mask].mean()),
         "best_epoch": best["epoch"],
         "epochs": epochs,
         "hidden": hidden,
