@@ -13,16 +13,12 @@ import numpy as np
 INT8_LEVELS = 127  # symmetric: -128 is never used, so negation stays exact
 
 
-def _check_matrix(x: np.ndarray) -> np.ndarray:
+def _quantize(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"expected a 2-d [n, d] array, got shape {x.shape}")
     if not np.isfinite(x).all():
         raise ValueError("cannot quantize NaN or infinite values; check the encoder output")
-    return x
-
-
-def _quantize(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     absmax = np.abs(x).max(axis=axis) if x.shape[axis] else np.zeros(x.shape[1 - axis])
     scales = (absmax / INT8_LEVELS).astype(np.float32)
     # Dividing by 1 where the scale is 0 keeps zero groups at zero instead of producing NaN.
@@ -36,7 +32,7 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Error bound: |x[i, j] - dequantize_int8(q, s)[i, j]| <= s[i] / 2.
     """
-    return _quantize(_check_matrix(x), axis=1)
+    return _quantize(x, axis=1)
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -49,7 +45,7 @@ def quantize_int8_per_channel(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Error bound: |x[i, j] - dequantize_int8_per_channel(q, s)[i, j]| <= s[j] / 2.
     """
-    return _quantize(_check_matrix(x), axis=0)
+    return _quantize(x, axis=0)
 
 
 def dequantize_int8_per_channel(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
