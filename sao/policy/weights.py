@@ -121,12 +121,6 @@ def check_content(policy: MemoryPolicy, announcement: PolicyAnnouncement) -> Non
                               "content")
 
 
-def published_layout(policy: MemoryPolicy) -> dict[str, torch.Tensor]:
-    """The tensors a published version of `policy` holds (names, shapes, kinds): a LoRA run's adapters and
-    projector (sao/policy/lora.py), else the model's whole state."""
-    return policy.adapters.layout() if policy.adapters is not None else policy.state_dict()
-
-
 def load_published(policy: MemoryPolicy, state: dict[str, torch.Tensor]) -> None:
     """Load a checked published state into `policy`: merge a LoRA run's adapters, else the weights themselves."""
     if policy.adapters is not None:
@@ -156,7 +150,10 @@ def verified_file(path: Path | str, sha256: str, *, num_bytes: int | None = None
         actual = _sha256_of_open_file(fd, size, path)
         if actual != sha256:
             raise WeightsMismatch(f"{path}: sha256 {actual} does not match the announced {sha256}", "sha256")
-        yield _reopenable_name(fd, path)
+        # Parse the very file behind `fd` (Linux), so the bytes parsed are the bytes hashed even if the path was
+        # swapped since; elsewhere the path itself.
+        by_descriptor = f"/proc/self/fd/{fd}"
+        yield by_descriptor if os.path.exists(by_descriptor) else str(path)
     finally:
         os.close(fd)
 
@@ -199,17 +196,12 @@ def _sha256_of_open_file(fd: int, size: int, path: Path | str) -> str:
     return digest.hexdigest()
 
 
-def _reopenable_name(fd: int, path: Path | str) -> str:
-    """A name for the very file behind `fd` (Linux), so the bytes parsed are the bytes hashed even if
-    the path was swapped since; elsewhere the path itself."""
-    by_descriptor = f"/proc/self/fd/{fd}"
-    return by_descriptor if os.path.exists(by_descriptor) else str(path)
-
-
 def _checked_tensors(policy: MemoryPolicy, source: str, path: Path | str) -> dict[str, torch.Tensor]:
     """The file's tensors, read only after its header names exactly the model's, with its shapes and float dtypes."""
-    model = published_layout(policy)
-    optional = {name for name in model if _is_tied_alias(policy, name)}
+    # What a published version holds: a LoRA run's adapters and projector (sao/policy/lora.py), else the whole state.
+    model = policy.adapters.layout() if policy.adapters is not None else policy.state_dict()
+    tied = bool(getattr(policy.lm.config, "tie_word_embeddings", False))
+    optional = {"lm.lm_head.weight"} if tied else set()  # safetensors stores a tied alias once, under the other name
     try:
         with safe_open(source, framework="pt") as handle:
             names = set(handle.keys())
@@ -240,10 +232,6 @@ def first_few(problems: list[str], shown: int = 4) -> str:
     """`problems` joined for a message: the first `shown`, then how many more."""
     more = len(problems) - shown
     return "; ".join(problems[:shown]) + (f"; and {more} more" if more > 0 else "")
-
-
-def _is_tied_alias(policy: MemoryPolicy, name: str) -> bool:
-    return name == "lm.lm_head.weight" and bool(getattr(policy.lm.config, "tie_word_embeddings", False))
 
 
 def build_policy(config: PolicyConfig, memory_width: int, value_head: bool = False,
