@@ -97,7 +97,8 @@ def recall_turns(slot_vectors: np.ndarray, spans: np.ndarray, query: np.ndarray,
 
 
 class _SlotTable:
-    """The slot bookkeeping both paths share, so they cannot drift apart."""
+    """The slot bookkeeping both paths share, so they cannot drift apart: an OnlineCompressor is one, filled a
+    turn at a time, and compress_batch fills one at once."""
 
     def __init__(self, dim: int, recent_window: int, bottleneck: Bottleneck | None = None):
         if recent_window < 0:
@@ -113,7 +114,8 @@ class _SlotTable:
         self.reward_sums: list[float] = []  # python floats: exact-as-possible sums, cast on export
         self.created_at: list[int] = []
 
-    def visible(self) -> list[int]:
+    def visible_slots(self) -> list[int]:
+        """Slots the policy sees for the step about to be generated."""
         return visible_slots_at(self.created_at, self.turns, self.recent_window)
 
     def add(self, embedding: np.ndarray, reward: float, decision: Decision) -> None:
@@ -133,7 +135,8 @@ class _SlotTable:
             self.reward_sums[-1] += float(reward)
         self.turns += 1
 
-    def table(self) -> MemoryTable:
+    def memory(self) -> MemoryTable:
+        """A snapshot copy of the slot table."""
         return MemoryTable(vectors=np.array(self.vectors, dtype=np.int8).reshape(len(self.vectors), self.memory_width),
                            scales=np.array(self.scales, dtype=np.float32),
                            spans=np.array(self.spans, dtype=np.int32).reshape(len(self.spans), 2),
@@ -141,6 +144,7 @@ class _SlotTable:
                            created_at_turn=np.array(self.created_at, dtype=np.int32))
 
     def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
+        """float32 [k, width] vectors of the given slots, as the policy consumes them."""
         indices = list(slot_indices)
         if not indices:
             return np.zeros((0, self.memory_width), dtype=np.float32)
@@ -157,7 +161,7 @@ def _check_compatible(encoder: SemanticEncoder, temporal_filter: TemporalFilter)
         logger.warning("temporal filter was trained on %r embeddings, used with %r", trained_on, encoder.name)
 
 
-class OnlineCompressor:
+class OnlineCompressor(_SlotTable):
     """Compresses one trajectory as it is generated.
 
     It restarts `temporal_filter`, whose online state it then owns: give each trajectory in
@@ -168,13 +172,9 @@ class OnlineCompressor:
                  recent_window: int = 1, bottleneck: Bottleneck | None = None):
         _check_compatible(encoder, temporal_filter)
         self.encoder, self.temporal_filter = encoder, temporal_filter
-        self._slots = _SlotTable(encoder.dim, recent_window, bottleneck)
+        super().__init__(encoder.dim, recent_window, bottleneck)
         self._seconds = {"encode": 0.0, "filter": 0.0, "quantize": 0.0}
         temporal_filter.start()
-
-    def visible_slots(self) -> list[int]:
-        """Slots the policy sees for the step about to be generated."""
-        return self._slots.visible()
 
     def finish_turn(self, text: str, reward: float) -> Decision:
         """Record a finished turn (observation + action text, reward): keep it or merge it."""
@@ -183,7 +183,7 @@ class OnlineCompressor:
         encoded = time.perf_counter()
         decision = self.temporal_filter.observe(embedding, reward)
         filtered = time.perf_counter()
-        self._slots.add(embedding, reward, decision)
+        self.add(embedding, reward, decision)
         self._seconds["encode"] += encoded - started
         self._seconds["filter"] += filtered - encoded
         self._seconds["quantize"] += time.perf_counter() - filtered
@@ -194,7 +194,7 @@ class OnlineCompressor:
         started = time.perf_counter()
         embedding = self.encoder.encode([observation])
         self._seconds["encode"] += time.perf_counter() - started
-        return (embedding if self._slots.bottleneck is None else self._slots.bottleneck.encode(embedding))[0]
+        return (embedding if self.bottleneck is None else self.bottleneck.encode(embedding))[0]
 
     def recall(self, observation: str, turns: int) -> list[int]:
         """Earlier turns to show as text beside the visible memory: up to `turns` of them, those of the visible
@@ -202,24 +202,15 @@ class OnlineCompressor:
         visible = self.visible_slots()
         if turns <= 0 or not visible:
             return []
-        spans = np.array([self._slots.spans[i] for i in visible], dtype=np.int32)
+        spans = np.array([self.spans[i] for i in visible], dtype=np.int32)
         return recall_turns(self.dequantized(visible), spans, self.query(observation), turns,
-                            before=self._slots.turns - self._slots.recent_window)
-
-    def memory(self) -> MemoryTable:
-        """A snapshot copy of the slot table."""
-        return self._slots.table()
-
-    def dequantized(self, slot_indices: Sequence[int]) -> np.ndarray:
-        """float32 [k, width] vectors of the given slots, as the policy consumes them."""
-        return self._slots.dequantized(slot_indices)
+                            before=self.turns - self.recent_window)
 
     def stats(self) -> CompressionStats:
-        slots = self._slots
-        return CompressionStats(steps=slots.turns, kept_slots=len(slots.scales),
-                                merged_steps=slots.turns - len(slots.scales),
-                                fp32_bytes=slots.turns * self.encoder.dim * 4,
-                                int8_bytes=len(slots.scales) * (slots.memory_width + 4),
+        return CompressionStats(steps=self.turns, kept_slots=len(self.scales),
+                                merged_steps=self.turns - len(self.scales),
+                                fp32_bytes=self.turns * self.encoder.dim * 4,
+                                int8_bytes=len(self.scales) * (self.memory_width + 4),
                                 encode_seconds=self._seconds["encode"], filter_seconds=self._seconds["filter"],
                                 quantize_seconds=self._seconds["quantize"])
 
@@ -243,6 +234,6 @@ def compress_batch(texts: Sequence[str], rewards: Sequence[float], encoder: Sema
     slots = _SlotTable(encoder.dim, recent_window, bottleneck)
     visible: list[list[int]] = []
     for embedding, reward, decision in zip(embeddings, rewards, decisions):
-        visible.append(slots.visible())
+        visible.append(slots.visible_slots())
         slots.add(embedding, reward, decision)
-    return slots.table(), visible, decisions
+    return slots.memory(), visible, decisions
