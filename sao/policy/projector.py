@@ -53,7 +53,11 @@ def save_projector(projector: nn.Linear, path: Path | str, meta: dict) -> None:
     sidecar_path(path).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def read_projector_meta(path: Path | str) -> dict:
+def load_projector(projector: nn.Linear, path: Path | str, model: str, encoder: str) -> dict:
+    """Copy aligned weights into `projector` after checking they were aligned for `model` + `encoder`.
+
+    `encoder` is the encoder's name (`sao.compression.semantic.encoder_name`). Returns the sidecar metadata.
+    """
     side = sidecar_path(path)
     if not side.is_file():
         raise ProjectorMismatch(f"{path}: its sidecar {side.name} is missing, so the model and encoder it was "
@@ -61,15 +65,6 @@ def read_projector_meta(path: Path | str) -> dict:
     meta = json.loads(side.read_text(encoding="utf-8"))
     if meta.get("format") != PROJECTOR_FORMAT:
         raise ProjectorMismatch(f"{side}: format {meta.get('format')!r}, expected {PROJECTOR_FORMAT!r}")
-    return meta
-
-
-def load_projector(projector: nn.Linear, path: Path | str, model: str, encoder: str) -> dict:
-    """Copy aligned weights into `projector` after checking they were aligned for `model` + `encoder`.
-
-    `encoder` is the encoder's name (`sao.compression.semantic.encoder_name`). Returns the sidecar metadata.
-    """
-    meta = read_projector_meta(path)
     if (meta.get("model"), meta.get("encoder")) != (model, encoder):
         raise ProjectorMismatch(
             f"{path} was aligned for model {meta.get('model')!r} + encoder {meta.get('encoder')!r}, but this run "
@@ -79,15 +74,13 @@ def load_projector(projector: nn.Linear, path: Path | str, model: str, encoder: 
         state = load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise ProjectorMismatch(f"{path}: not a readable safetensors file ({err})") from err
-    expected = {"weight": tuple(projector.weight.shape), "bias": tuple(projector.bias.shape)}
+    expected = {name: tuple(tensor.shape) for name, tensor in projector.state_dict().items()}
     found = {name: tuple(tensor.shape) for name, tensor in state.items()}
     if found != expected:
         raise ProjectorMismatch(f"{path}: holds {found}, the projector needs {expected}")
     if not all(bool(torch.isfinite(tensor).all()) for tensor in state.values()):
         raise ProjectorMismatch(f"{path}: holds NaN or infinity")
-    with torch.no_grad():
-        projector.weight.copy_(state["weight"])
-        projector.bias.copy_(state["bias"])
+    projector.load_state_dict(state)
     return meta
 
 
