@@ -32,13 +32,10 @@ class ChatFormat:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, system_prompt: str, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        turn_end = {tokenizer.eos_token_id, *self._ids_of(CHATML_END_OF_TURN)}
+        end_of_turn = tokenizer.convert_tokens_to_ids(CHATML_END_OF_TURN)  # unk (or None) where it is no token
+        turn_end = {tokenizer.eos_token_id} | ({end_of_turn} - {None, tokenizer.unk_token_id})
         self.stop = StopRule(frozenset(turn_end), stop, self._decode_ids)
         self.end_of_turn_ids, self._before_feedback, self._after_feedback = self._split_feedback_turn()
-
-    def _ids_of(self, token: str) -> list[int]:
-        found = self.tokenizer.convert_tokens_to_ids(token)
-        return [] if found is None or found == self.tokenizer.unk_token_id else [found]
 
     def _encode(self, text: str) -> np.ndarray:
         return token_ids(self.tokenizer, text)
