@@ -262,8 +262,8 @@ POLICY_HELDOUT_SUCCESS = Gauge(
                                   "validation slice of held-out tasks.", ["version"])
 SHADOW_BEST_VERSION = Gauge("sao_shadow_best_version", "The best version shadow validation has scored (the kept one).")
 SHADOW_DROPS = Counter(
-    "sao_shadow_drops_total", "Scored versions that fell below the best by more than trainer.shadow_margin standard "
-                              "errors: each one fires the ShadowValidationDrop alert.")
+    "sao_shadow_drops_total", "Scored versions that fell below the top score by more than trainer.shadow_margin "
+                              "standard errors: each one fires the ShadowValidationDrop alert.")
 TRAINER_ROLLBACKS = Counter(
     "sao_trainer_rollbacks_total", "Times the trainer restored the best version's weights and optimizer state.")
 

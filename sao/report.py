@@ -454,7 +454,7 @@ def _kept_sentence(summary: dict[str, Any]) -> str:
                  f"{_fmt(summary['heldout_kept_gain'])} ± {_fmt(summary['heldout_kept_gain_stderr'])}")
     drops, rollbacks = summary.get("shadow_drops") or 0, summary.get("rollbacks") or []
     if drops:
-        text += (f". {drops} scored version(s) fell below the best beyond the margin (alert fired); "
+        text += (f". {drops} scored version(s) fell below the top score beyond the margin (alert fired); "
                  + (", ".join(f"rolled back from v{r['from_version']} to v{r['to_version']} at step {r['step']}"
                               for r in rollbacks) or "no rollback"))
     return text + "."

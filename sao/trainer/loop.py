@@ -166,7 +166,7 @@ class Trainer:
                 self.idle_s += self.phase_s["wait"]
                 if stop:
                     break
-                self._follow_shadow()  # a version that fell below the best is rolled back before this step
+                self._follow_shadow()  # a version that dropped is rolled back to the best before this step
                 trained_version = self.state.policy_version
                 outcome = self._train(batch, entries)  # what could not be trained on is dead-lettered
                 if not outcome.interrupted:
@@ -273,7 +273,7 @@ class Trainer:
     # --- shadow validation (sao/trainer/shadow_validation.py) --------------------------------
 
     def _follow_shadow(self) -> None:
-        """A version that fell below the best is rolled back to the best before the next step."""
+        """A version that dropped (below the top score) is rolled back to the best before the next step."""
         back_to = self.shadow.verdict(self.engine)
         if back_to is None:
             return
