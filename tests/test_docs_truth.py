@@ -125,8 +125,8 @@ def _default(dotted: str):
 
 # (what the README says, the config field it quotes, its default there)
 QUOTED_DEFAULTS = [
-    ("feeds 144 reasoning-gym arithmetic tasks (`run.num_tasks`)", "run.num_tasks", 144),
-    ("feeds 144 reasoning-gym arithmetic tasks", "env.name", "arithmetic"),
+    ("feeds 192 reasoning-gym arithmetic tasks (`run.num_tasks`)", "run.num_tasks", 192),
+    ("feeds 192 reasoning-gym arithmetic tasks", "env.name", "arithmetic"),
     ("runs a sampler process (8 episodes side by side)", "sampler.num_samplers", 1),
     ("runs a sampler process (8 episodes side by side)", "sampler.rollout_batch", 8),
     ("on 80 held-out questions", "run.heldout_cap", 80),

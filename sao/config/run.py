@@ -14,7 +14,7 @@ class RunConfig(Section):
         "max_tasks_in_flight": "is now run.max_trajectories_in_flight (it counts trajectories: grpo sends a task "
                                "group_size times)"}
 
-    num_tasks: int = Field(144, ge=1, description="Tasks the feeder sends (grpo: each group_size times); the run ends "
+    num_tasks: int = Field(192, ge=1, description="Tasks the feeder sends (grpo: each group_size times); the run ends "
                                                  "when all their trajectories are trained on.")
     run_dir: str | None = Field(None, description="Logs, weights, checkpoints, summary.json; unset = runs/<timestamp>.")
     mode: Literal["async", "sync"] = Field(
