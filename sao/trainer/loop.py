@@ -184,10 +184,7 @@ class Trainer:
             if self.state.step > checkpointed_at:
                 self._checkpoint()  # a clean stop always leaves a resumable checkpoint
             elif has_checkpoint(self.run_dir.checkpoints) and self.role.handled_since(self.state):
-                # Dead letters since the last step's checkpoint: bring its offsets and counts up to date, or
-                # a resume would read those messages again and dead-letter each a second time.
-                self.role.note_in(self.state)
-                update_checkpoint_state(self.run_dir.checkpoints, self.state)
+                self._record_dead_letters()
             self.shadow.finish(self.state.policy_version)
             # Finished means every expected trajectory was handled: what an audit may then call lost.
             # A stop by signal, max_steps or an error leaves the rest in flight, resumable.
@@ -290,6 +287,14 @@ class Trainer:
         since = self.state.step - checkpointed_at
         return (f"{self.role.in_flight()}; step {self.state.step}; last checkpoint at step {checkpointed_at} "
                 f"(offsets {self.state.offsets})" + (f", so a resume retrains the {since} step(s) after it" if since else ""))
+
+    def _record_dead_letters(self) -> None:
+        """Rank 0, at a stop with no step since the last checkpoint: bring its offsets and counts up to date.
+
+        Otherwise a resume would read those messages again and dead-letter each a second time.
+        """
+        self.role.note_in(self.state)
+        update_checkpoint_state(self.run_dir.checkpoints, self.state)
 
     def _checkpoint(self) -> int:
         self.role.note_in(self.state)
