@@ -6,8 +6,8 @@
 One process, one rank. The batch looks like a default run's: 8 arithmetic trajectories, most of
 them two turns (a wrong first answer gets feedback and a retry), so ~15 rows of 50-100 tokens.
 Three arms take turns, round after round (the order rotates, so none always runs first):
-- sao: the real step (`sao.trainer.training_step.train_step`: ZeRO-3 engine, its loss, its
-  length buckets, clipping and AdamW inside DeepSpeed);
+- sao: the real step (`sao.trainer.training_step.train_step`: the DeepSpeed engine a run builds, which
+  on one CPU rank runs without ZeRO; its loss, its length buckets, clipping and AdamW);
 - bare_by_hand: what one writes by hand: one row per turn, right-padded into one batch, the same
   loss (`rank_loss`), `loss.backward()`, `clip_grad_norm_`, `torch.optim.AdamW` with its defaults;
 - bare_matched: the same bare loop with sao's rows (a first try scored inside its retry's row,

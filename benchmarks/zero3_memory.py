@@ -62,7 +62,9 @@ def worker(model: str, offload: bool, steps: int, out: Path) -> None:
     from sao.trainer.engine import build_engine, memory_per_rank, shutdown
 
     torch.set_num_threads(1)
-    overrides = [f'policy.model="{model}"', "trainer.batch_size=4", f"trainer.offload_optimizer={str(offload).lower()}"]
+    # ZeRO-3 on every arm, one rank too (sao's one CPU rank otherwise runs without ZeRO): the baseline of the split.
+    overrides = [f'policy.model="{model}"', "trainer.batch_size=4", f"trainer.offload_optimizer={str(offload).lower()}",
+                 "trainer.deepspeed={ zero_optimization = { stage = 3 } }"]
     config = load_config(overrides=overrides, environ={})
     engine = build_engine(build_policy(config.policy, 384), config.trainer)
     rng = np.random.default_rng(0)

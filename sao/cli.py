@@ -221,7 +221,7 @@ def trainer(config: ConfigOpt = None, set_: SetOpt = None, bootstrap_servers: Bo
             expect: Annotated[int | None, typer.Option(
                 min=1, help="Exit after this many trajectories are handled.")] = None,
             metrics_port: MetricsPortOpt = None) -> None:
-    """Consume trajectories and train the policy with DeepSpeed ZeRO-3; publish versions."""
+    """Consume trajectories and train the policy with DeepSpeed (ZeRO-3 across ranks); publish versions."""
     setup_logging()
     cfg = config_or_exit(config, set_, **{"metrics.trainer_port": metrics_port})
     _pin(cfg.trainer.cpu_affinity)

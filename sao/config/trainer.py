@@ -180,7 +180,7 @@ class TrainerConfig(Section):
                            "optimizer step run there; it frees accelerator memory for a slower step "
                            "(benchmarks/zero3_memory.py).")
     deepspeed_config: str | None = Field(
-        None, description="A DeepSpeed JSON config file, merged over sao's derived config (ZeRO-3, clipping, batch).")
+        None, description="A DeepSpeed JSON config file, merged over sao's derived config (ZeRO stage, clipping, batch).")
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="Inline DeepSpeed settings, merged last (over deepspeed_config).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA training (off by default): see its knobs.")

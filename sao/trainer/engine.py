@@ -1,4 +1,9 @@
-"""DeepSpeed ZeRO-3 engine: distributed setup, the config sao derives, weight gathering, recovery from a failed pass.
+"""DeepSpeed engine: distributed setup, the config sao derives, weight gathering, recovery from a failed pass.
+
+Several ranks (or an offloaded optimizer, or a GPU) train with ZeRO-3. One CPU rank has nothing to
+partition: there DeepSpeed runs without ZeRO (stage 0) and without its all-reduce of a world of one,
+and `ClippedAdamW` clips and skips a non-finite step as ZeRO's optimizer does, so the guarantees hold
+and the step costs what a plain PyTorch step costs. `trainer.deepspeed` may still ask for a stage.
 
 On CPU: gloo, fp32, and no JIT-compiled ops (the shm comm op and DeepSpeed's own Adam each
 cost minutes of compilation on a fresh machine, so torch's AdamW is passed in). On GPU: NCCL and
@@ -74,15 +79,27 @@ def user_deepspeed_config(trainer: TrainerConfig) -> dict[str, Any]:
     return _merge(from_file, trainer.deepspeed)
 
 
+def _uses_zero(trainer: TrainerConfig, world_size: int) -> bool:
+    """Whether the engine uses ZeRO (stage 3 unless `trainer.deepspeed` names another): several ranks to share the
+    state among, an optimizer to offload or bf16 on a GPU; else (one CPU rank) there is nothing to partition."""
+    zero = user_deepspeed_config(trainer).get("zero_optimization", {})
+    if "stage" in zero:
+        return zero["stage"] > 0
+    offloads = trainer.offload_optimizer or "offload_optimizer" in zero or "offload_param" in zero
+    return world_size > 1 or offloads or torch.cuda.is_available()
+
+
 def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
     batch, accumulation = batch_layout(trainer, world_size)
     micro = -(-batch // (accumulation * world_size))  # ceil: DeepSpeed only uses these for bookkeeping
+    zero = _uses_zero(trainer, world_size)
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": micro * accumulation * world_size,
-        "gradient_clipping": trainer.grad_clip,
-        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        # Without ZeRO, ClippedAdamW clips (DeepSpeed's own clipping would not skip a non-finite step).
+        "gradient_clipping": trainer.grad_clip if zero else 0.0,
+        "zero_optimization": {"stage": 3 if zero else 0, "stage3_gather_16bit_weights_on_model_save": True},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
@@ -97,22 +114,49 @@ def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
     return _merge(config, user_deepspeed_config(trainer))
 
 
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW that clips the gradients' norm first and skips a step whose norm is not finite, reporting both
+    as ZeRO's optimizer does (`_global_grad_norm`, `overflow`: DeepSpeed's engine reads them after a step,
+    keeps the learning-rate schedule still and says the step was not applied). For an engine without ZeRO."""
+
+    def __init__(self, params, max_norm: float, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.max_norm, self.overflow, self._global_grad_norm = max_norm, False, None
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self._global_grad_norm = float(norm)
+        self.overflow = not torch.isfinite(norm)
+        return None if self.overflow else super().step(closure)
+
+
 def build_engine(model: torch.nn.Module, trainer: TrainerConfig):
-    """Wrap `model` in a ZeRO-3 engine with torch AdamW over its trainable parameters (a LoRA policy's adapters and
-    projector); returns the DeepSpeed engine."""
+    """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (a LoRA policy's adapters and
+    projector); returns the engine."""
     import deepspeed
 
     if trainer.warmup_steps and "scheduler" in user_deepspeed_config(trainer):
         raise ValueError("trainer.warmup_steps: set it or a DeepSpeed scheduler in trainer.deepspeed, not both "
                          "(each would set the learning rate)")
     init_distributed()
+    world = torch.distributed.get_world_size()
+    config = deepspeed_config(trainer, world)
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=trainer.optimizer_learning_rate, weight_decay=trainer.weight_decay,
-                                  fused=trainer.fused_adamw or None)
+    settings = {"lr": trainer.optimizer_learning_rate, "weight_decay": trainer.weight_decay,
+                "fused": trainer.fused_adamw or None}
+    zero = config["zero_optimization"]["stage"] > 0
+    optimizer = (torch.optim.AdamW(trainable, **settings) if zero
+                 else ClippedAdamW(trainable, max_norm=trainer.grad_clip, **settings))
     with _without_setup_waste():
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                          config=deepspeed_config(trainer, torch.distributed.get_world_size()))
-    _skip_reduce_scatter_onto_itself()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if zero:
+        _skip_reduce_scatter_onto_itself()
+    elif world == 1:
+        engine.enable_backward_allreduce = False  # an all-reduce over one rank copies every gradient for nothing
     return engine
 
 
@@ -198,6 +242,29 @@ def gather_adapter_state(engine) -> dict[str, torch.Tensor]:
     state = trainable_state(engine.module)
     with deepspeed.zero.GatheredParameters(list(state.values()), modifier_rank=None):
         return unique_state_dict(state)
+
+
+def training_state(engine) -> dict[str, Any]:
+    """This rank's weights and AdamW state, to return training to where it stands (live tensors: copy them).
+    ZeRO's optimizer state holds its fp32 master partitions; a plain optimizer's holds no weights, so the
+    trainable ones go beside it."""
+    if engine.zero_optimization():
+        return engine.optimizer.state_dict()
+    weights = {name: p.detach() for name, p in engine.module.named_parameters() if p.requires_grad}
+    return {"optimizer": engine.optimizer.state_dict(), "weights": weights}
+
+
+def restore_training_state(engine, state: dict[str, Any]) -> None:
+    """Put back what `training_state` returned (every rank calls it)."""
+    if engine.zero_optimization():
+        # DeepSpeed reads the entry of this rank's index: each rank passes its own state there.
+        engine.optimizer.load_state_dict([state] * torch.distributed.get_world_size(), load_optimizer_states=True)
+        return
+    engine.optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():
+        for name, parameter in engine.module.named_parameters():
+            if parameter.requires_grad:
+                parameter.copy_(state["weights"][name])
 
 
 _GLOO_SETTLE_S = 0.5  # generous: under load the worker thread waits its turn for a core

@@ -1,4 +1,4 @@
-"""The trainer process: consume -> buffer -> batch -> loss -> ZeRO-3 step -> (publish) -> commit -> (checkpoint).
+"""The trainer process: consume -> buffer -> batch -> loss -> DeepSpeed step -> (publish) -> commit -> (checkpoint).
 
 `Trainer.run` reads top to bottom; every arrow is one call. Rank 0 leads: it is the only Kafka
 consumer and broadcasts each batch to the other ranks, which follow (sao/trainer/roles.py: the
@@ -78,7 +78,7 @@ class Trainer:
         resuming = resume and has_checkpoint(self.run_dir.checkpoints)
         # Hashing every checkpoint file (GBs) needs no engine: it runs on a thread while the engine is built.
         verified = in_background(verify_checkpoint, self.run_dir.checkpoints) if resuming else None
-        # The policy (and its frozen base copy), then the ZeRO-3 engine.
+        # The policy (and its frozen base copy), then the DeepSpeed engine.
         built = build_policy_engine(config, self._started)
         self.engine, self.base_policy, self.memory_width = built.engine, built.base_policy, built.memory_width
         self.batch_size, self.accumulation = built.batch_size, built.accumulation

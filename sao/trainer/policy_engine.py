@@ -1,4 +1,4 @@
-"""Version 0 of the trainer's policy wrapped in its ZeRO-3 engine: what the trainer and `sao replay` both start from."""
+"""Version 0 of the trainer's policy wrapped in its DeepSpeed engine: what the trainer and `sao replay` both start from."""
 
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ class PolicyEngine:
 
 
 def build_policy_engine(config: SaoConfig, started: Callable[[str], None] = lambda phase: None) -> PolicyEngine:
-    """The policy (and its frozen base copy), then the ZeRO-3 engine. `started(phase)` closes the phases
+    """The policy (and its frozen base copy), then the DeepSpeed engine. `started(phase)` closes the phases
     "model" and "engine" of a caller timing its start-up."""
     recipe = PolicyRecipe.from_config(config)
     log.info(recipe.describe())
     policy = recipe.build(config.trainer.value_head)
-    validator = TrajectoryValidator.for_model(policy, recipe.memory_width, config, recipe.basis)  # before ZeRO-3 wraps it
-    # Copied before ZeRO-3 partitions the policy's parameters in place: the weights of version 0.
+    validator = TrajectoryValidator.for_model(policy, recipe.memory_width, config, recipe.basis)  # before DeepSpeed wraps it
+    # Copied before ZeRO-3 (several ranks) partitions the policy's parameters in place: the weights of version 0.
     base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
     recipe.add_adapters(policy)
     started("model")

@@ -1,4 +1,4 @@
-"""Publish policy versions: gather ZeRO-3 weights, write safetensors + sha256, announce on Kafka.
+"""Publish policy versions: gather the weights (ZeRO-3's partitions), write safetensors + sha256, announce on Kafka.
 
 Weights go to the trainer's policy folder. With `policy.transport = "folder"` samplers read them
 there (local disk for `sao run`, a shared volume or mount in a cluster) and only the small

@@ -1,7 +1,8 @@
-"""Snapshots of the ZeRO-3 optimizer (master weights + AdamW state) per policy version, on disk.
+"""Snapshots of the trainer's weights and AdamW state per policy version, on disk.
 
 A rollback (sao/trainer/shadow_validation.py) returns training to a published version exactly:
-the fp32 master partitions and the AdamW moments as they were when that version was published.
+the weights (ZeRO's fp32 master partitions, or the trainable parameters of an engine without ZeRO)
+and the AdamW moments as they were when that version was published (`engine.training_state`).
 The moments matter: restarted from zero, Adam's first steps move every weight by about the
 learning rate whatever the gradient's noise, a jolt of the kind a rollback exists to undo.
 Each rank snapshots its own partition, so this is as collective as the step itself.
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from sao.trainer.engine import restore_training_state, training_state
 from sao.trainer.shadow import run_in_background
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ class OptimizerSnapshots:
         self.settle()  # the buffers are free again
         copying = time.perf_counter()
         live: dict[str, torch.Tensor] = {}
-        skeleton = _split(engine.optimizer.state_dict(), live, "")
+        skeleton = _split(training_state(engine), live, "")
         copies = {path: self._copy(path, tensor) for path, tensor in live.items()}
         self.folder.mkdir(parents=True, exist_ok=True)
         self._writes[version] = self._writer.submit(self._write, copies, version)
@@ -132,10 +134,7 @@ class OptimizerSnapshots:
     def restore(self, engine, version: int) -> None:
         """Master weights, module weights and AdamW state back to `version` (every rank calls it)."""
         self.settle()
-        state = _join(self._skeletons[version], load_file(str(self._file(version))))
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        # DeepSpeed reads the entry of this rank's index: each rank passes its own snapshot there.
-        engine.optimizer.load_state_dict([state] * world, load_optimizer_states=True)
+        restore_training_state(engine, _join(self._skeletons[version], load_file(str(self._file(version)))))
 
     def relabel(self, version: int, as_version: int) -> None:
         """The snapshot of `version` now stands for `as_version` (a rollback republished its weights)."""

@@ -42,4 +42,4 @@ def test_trainer_step_compares_sao_with_the_bare_loop(tmp_path):
     assert padding["padding_share_bucketed"] < padding["padding_share_padded"]
     # Same weights, same rows, same loss: sao and the bare loop agree on the first step's loss.
     assert report["first_loss"]["sao_minus_bare_abs"] < 1e-5
-    assert report["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    assert report["deepspeed_config"]["zero_optimization"]["stage"] == 0  # one CPU rank: nothing to partition

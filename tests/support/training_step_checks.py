@@ -1,5 +1,6 @@
-"""Run in its own process (DeepSpeed's process group must not live in pytest's): two ZeRO-3 engines on
-the tiny model, one fed batches with a faulty trajectory, one fed the same batches without it.
+"""Run in its own process (DeepSpeed's process group must not live in pytest's): two engines on the tiny
+model (one rank: without ZeRO unless the table asks for it, as offload does), one fed batches with a
+faulty trajectory, one fed the same batches without it.
 
 Prints one JSON object of findings for tests/trainer/test_training_step.py to assert on.
 """
@@ -42,7 +43,7 @@ def main() -> None:
 
     def snapshot(engine):
         weights = gather_full_state(engine)
-        optimizer = engine.optimizer.optimizer.state
+        optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer).state  # ZeRO's wraps torch's
         moments = {f"{i}.{name}": tensor.clone() for i, state in enumerate(optimizer.values())
                    for name, tensor in state.items() if torch.is_tensor(tensor)}
         return weights, moments

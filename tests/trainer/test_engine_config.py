@@ -1,4 +1,4 @@
-"""DeepSpeed config: sao derives ZeRO-3 settings; a JSON file and an inline table pass through."""
+"""DeepSpeed config: sao derives ZeRO-3 settings (none for one CPU rank); a JSON file and an inline table pass through."""
 
 import json
 
@@ -12,6 +12,13 @@ def test_derived_config_is_zero3_with_clipping():
     config = deepspeed_config(TrainerConfig(batch_size=8, grad_clip=0.5), world_size=2)
     assert config["zero_optimization"]["stage"] == 3 and config["gradient_clipping"] == 0.5
     assert config["train_batch_size"] == 8 and config["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_one_cpu_rank_runs_without_zero_and_clips_in_its_optimizer_unless_a_stage_is_asked_for():
+    alone = deepspeed_config(TrainerConfig(grad_clip=0.5), world_size=1)
+    assert alone["zero_optimization"]["stage"] == 0 and alone["gradient_clipping"] == 0.0  # ClippedAdamW clips
+    asked = deepspeed_config(TrainerConfig(grad_clip=0.5, deepspeed={"zero_optimization": {"stage": 2}}), 1)
+    assert asked["zero_optimization"]["stage"] == 2 and asked["gradient_clipping"] == 0.5
 
 
 def test_file_then_inline_override_and_batch_settings_come_from_deepspeed(tmp_path):

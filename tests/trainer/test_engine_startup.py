@@ -1,4 +1,5 @@
-"""Building the ZeRO-3 engine skips DeepSpeed's set-up waste (sao/trainer/engine.py) and leaves no trace of it.
+"""Building a ZeRO-3 engine (several ranks' engine, asked for here on one) skips DeepSpeed's set-up waste
+(sao/trainer/engine.py) and leaves no trace of it.
 
 Run in a fresh interpreter: what a module imports is only visible before anything else imported it.
 """
@@ -18,7 +19,8 @@ from sao.policy.weights import build_policy
 from sao.trainer.engine import build_engine, gather_full_state, shutdown
 
 torch.set_num_threads(1)
-config = load_config(overrides=['policy.model="tiny"'], environ={})
+config = load_config(overrides=['policy.model="tiny"', "trainer.deepspeed={ zero_optimization = { stage = 3 } }"],
+                     environ={})
 policy = build_policy(config.policy, 384)
 expected = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
 engine = build_engine(policy, config.trainer)

@@ -33,7 +33,8 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
     "{}", '{ gradient_accumulation_steps = 2, zero_optimization = { offload_optimizer = { device = "cpu" } } }'],
     ids=["plain", "accumulation+offload"])
 def test_what_cannot_be_trained_leaves_no_trace_in_the_engine(deepspeed):
-    """Two ZeRO-3 engines: one meets a trajectory that raises and a batch with a NaN loss, one never does."""
+    """Two engines (plain: one rank without ZeRO; offload: ZeRO-3): one meets a trajectory that raises and a
+    batch with a NaN loss, one never does."""
     result = subprocess.run([sys.executable, str(SUPPORT / "training_step_checks.py"), deepspeed],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
