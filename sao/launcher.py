@@ -49,11 +49,18 @@ class RunFailed(RuntimeError):
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
-    """`sao ARGS` as a child that ends with this process, however it ends (a `sao run` killed by SIGKILL too)."""
+    """`sao ARGS` as a child that ends with this process, however it ends (a `sao run` killed by SIGKILL too).
+
+    The run's processes share the machine's cores, so their OpenMP threads wait for work asleep
+    (OMP_WAIT_POLICY=PASSIVE, unless set): spinning threads of one process took the cores another
+    one's threads were waiting for, and a trainer step on shared cores burned CPU seconds waiting
+    (benchmarks/README.md, "Where a default run's time goes"). The shadow scorer inherits the trainer's.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     handle = open(log_path, "ab")
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     return subprocess.Popen([sys.executable, "-m", "sao.cli", *args], stdout=handle, stderr=subprocess.STDOUT,
-                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                            env=env, preexec_fn=functools.partial(die_with_parent, os.getpid()))
 
 
 def run(config: SaoConfig, console: Console) -> dict:

@@ -1,4 +1,4 @@
-"""A child started with die_with_parent ends with its parent, however the parent ends."""
+"""A child started with die_with_parent ends with its parent, however the parent ends; a run's children share cores politely."""
 
 import signal
 import subprocess
@@ -30,3 +30,15 @@ def test_the_child_ends_with_its_parent(end):
     while is_running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not is_running(child)
+
+
+def test_a_runs_processes_wait_for_openmp_work_asleep_unless_told_otherwise(monkeypatch, tmp_path):
+    from sao import launcher
+
+    seen = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *args, env=None, **kwargs: seen.append(env["OMP_WAIT_POLICY"]))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    launcher._spawn(["trainer"], tmp_path / "trainer.log")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a user's choice wins
+    launcher._spawn(["trainer"], tmp_path / "trainer.log")
+    assert seen == ["PASSIVE", "ACTIVE"]
