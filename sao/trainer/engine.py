@@ -125,10 +125,7 @@ class ClippedAdamW(torch.optim.AdamW):
 
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self.max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)  # trainer.grad_clip is > 0
         self._global_grad_norm = float(norm)
         self.overflow = not torch.isfinite(norm)
         return None if self.overflow else super().step(closure)
