@@ -129,15 +129,26 @@ def measure(model: str, steps: int, threads: int | None, overrides: list[str], t
     from sao.policy.weights import build_policy
     from sao.trainer.baselines import RewardBaseline
     from sao.trainer.batch import plan_batch
-    from sao.trainer.engine import batch_layout, build_engine, deepspeed_config, shutdown
+    from sao.trainer.engine import (
+        batch_layout,
+        build_engine,
+        cpu_autocast,
+        deepspeed_config,
+        resolved_precision,
+        shutdown,
+    )
     from sao.trainer.training_step import train_step
 
     config = load_config(overrides=[f'policy.model="{model}"', *overrides], environ={})
     cfg = config.trainer
     torch.set_num_threads(threads if threads is not None else cfg.threads())
     padded_cfg = cfg.model_copy(update={"length_buckets": 1})
-    engine = build_engine(build_policy(config.policy, MEMORY_WIDTH), cfg)
-    bare = BareEngine(build_policy(config.policy, MEMORY_WIDTH), cfg)
+    # Both arms compute in the precision a run's trainer would (trainer.precision): engines are compared, not dtypes.
+    policies = [build_policy(config.policy, MEMORY_WIDTH) for _ in range(2)]
+    for policy in policies:
+        policy.cpu_autocast_bf16 = cpu_autocast(cfg)
+    engine = build_engine(policies[0], cfg)
+    bare = BareEngine(policies[1], cfg)
     accumulation = batch_layout(cfg, 1)[1]
     plan = plan_batch(realistic_batch(trajectories=trajectories), RewardBaseline(), cfg, 0)
 
@@ -170,7 +181,7 @@ def measure(model: str, steps: int, threads: int | None, overrides: list[str], t
     first_loss["sao_minus_bare_abs"] = abs(first_loss["sao"] - first_loss["bare_by_hand"])
     return {"medians": medians, "runs": times, "first_loss": first_loss,
             "padding": padding_share(plan, cfg.length_buckets), "threads": torch.get_num_threads(),
-            "length_buckets": cfg.length_buckets, "fused_adamw": cfg.fused_adamw,
+            "length_buckets": cfg.length_buckets, "fused_adamw": cfg.fused_adamw, "precision": resolved_precision(cfg),
             "deepspeed_config": deepspeed_config(cfg, 1)}
 
 
@@ -197,7 +208,7 @@ def main() -> None:
     medians, padding = result["medians"], result["padding"]
     table = Table(title=f"trainer step, {args.model}, {padding['rows']} rows / {padding['positions']} positions "
                         f"({padding['rows_per_turn']} / {padding['positions_per_turn']} a row per turn), "
-                        f"{result['threads']} thread(s); median of {args.steps}")
+                        f"{result['threads']} thread(s), {result['precision']}; median of {args.steps}")
     for column in ("arm", "step s", "CPU s", "forward+backward s", "optimizer s", "sao / arm (wall)",
                    "sao / arm (CPU)"):
         table.add_column(column, justify="right")

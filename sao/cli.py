@@ -449,7 +449,7 @@ def export(out: Annotated[Path, typer.Option(help="Folder to write (new or empty
             number = max(RunDir(run_dir).kept_versions(), default=0)
         else:
             number = _version_number(version, "`best` or `final`")
-        facts = export_version(cfg, PolicyRecipe.from_config(cfg).for_sampling("cpu"), run_dir, number, out)
+        facts = export_version(cfg, PolicyRecipe.from_config(cfg).for_sampling("cpu", "fp32"), run_dir, number, out)
     except (FileNotFoundError, FileExistsError, ValueError, WeightsMismatch) as err:
         fail(f"[red]{err}[/]")
     console.print(f"exported v{facts['version']} ({facts['dtype']}, {facts['parameters']:,} parameters"

@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from sao.config.section import Section, available_cpu_ids, tagged_table
+from sao.config.section import Precision, Section, available_cpu_ids, tagged_table
 
 
 class HfEngine(Section):
@@ -51,8 +51,12 @@ class SamplerConfig(Section):
                                  "before it exits with an error naming the version (it never samples that task with "
                                  "an older one).")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where a sampler runs the policy: auto = cuda in bf16 when a GPU is visible, else the "
-                            "CPU in fp32 (bf16 matmuls are far slower on CPU). Published fp32 weights are cast on load.")
+        "auto", description="Where a sampler (and a scorer) runs the policy: auto = cuda when a GPU is visible, else "
+                            "the CPU.")
+    precision: Precision = Field(
+        "auto", description="Dtype a sampler (and a scorer) runs the policy in: auto = bf16 on a GPU or on a CPU with "
+                            "native bf16 matmuls (AVX512-BF16 or AMX) with sao's own loop (vLLM on a CPU: fp32), else fp32. "
+                            "Published weights are cast on load.")
     engine: Engine = Field(
         default_factory=AutoEngine, description="What generates actions, for the scorers too (type hf, vllm or auto).")
     rollout_batch: int = Field(

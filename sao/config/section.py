@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
 
 log = logging.getLogger(__name__)
 # Tables tagged by `type` (pydantic discriminated unions): the knob names whose value is one.
 TAGGED_TABLES = ("algorithm", "objective", "transport", "engine")
+
+
+# What `sampler.precision` and `trainer.precision` accept (sao/policy/precision.py resolves auto).
+Precision = Literal["auto", "fp32", "bf16"]
 
 
 class Section(BaseModel):

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from sao.config.algorithms import Algorithm, Objective, SaoAlgorithm, TisObjective
-from sao.config.section import Section, available_cpu_ids
+from sao.config.section import Precision, Section, available_cpu_ids
 
 LORA_ALL_LINEAR = "all-linear"
 
@@ -168,6 +168,10 @@ class TrainerConfig(Section):
         2, ge=1, description="At most this many forward passes per micro-batch: rows sorted by length and split where"
                              " that cuts the padding most (same loss); 1 = one padded pass. With several ranks it is "
                              "1.")
+    precision: Precision = Field(
+        "auto", description="Dtype the trainer computes in: auto = bf16 on a GPU (DeepSpeed's bf16) or on a CPU with "
+                            "native bf16 matmuls (the decoder under bf16 autocast; weights, optimizer and log-probs' "
+                            "logits in fp32), else fp32.")
     torch_threads: int | Literal["auto"] = Field(
         "auto", description="torch threads of the trainer process; auto = the CPUs in the process's affinity mask "
                             "(after trainer.cpu_affinity is applied) shared among the ranks on this machine, so the "

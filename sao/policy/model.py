@@ -125,6 +125,9 @@ class MemoryPolicy(nn.Module):
             nn.init.zeros_(self.value_head.bias)
         # A sampler of a LoRA run merges published adapters into this plain model (sao/policy/lora.py).
         self.adapters: AdapterMerge | None = None
+        # Set by a trainer on a CPU with native bf16 (trainer.precision): `forward` runs the decoder under bf16
+        # autocast while the weights, their gradients and the log-probs' logits stay fp32.
+        self.cpu_autocast_bf16 = False
 
     def _embed(self, token_ids: torch.Tensor, memory_vectors: torch.Tensor, memory_mask: torch.Tensor) -> torch.Tensor:
         token_embeds = self.lm.get_input_embeddings()(token_ids)
@@ -140,10 +143,13 @@ class MemoryPolicy(nn.Module):
         embeds = self._embed(batch.token_ids, batch.memory_vectors, batch.memory_mask)
         # Rows are right-padded and attention is causal, so no real position attends to padding: no
         # mask is needed, and without one attention takes its causal kernel (less memory, faster).
-        hidden = self.lm.get_decoder()(inputs_embeds=embeds).last_hidden_state
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cpu_autocast_bf16):
+            hidden = self.lm.get_decoder()(inputs_embeds=embeds).last_hidden_state
+        head = self.lm.get_output_embeddings()
+        hidden = hidden.to(head.weight.dtype)  # bf16 logits would round a log-prob by hundredths
         rows, positions = batch.action_mask.nonzero(as_tuple=True)
         # A token is scored by the logits one position before it; only action tokens get logits.
-        token_logprobs = action_logprobs(self.lm.get_output_embeddings(), hidden[rows, positions - 1],
+        token_logprobs = action_logprobs(head, hidden[rows, positions - 1],
                                          batch.token_ids[rows, positions], batch.temperatures[rows])
         scored = torch.zeros(batch.token_ids.shape, dtype=token_logprobs.dtype, device=token_logprobs.device)
         scored = scored.index_put((rows, positions), token_logprobs)

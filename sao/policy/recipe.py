@@ -15,6 +15,7 @@ import torch
 from sao.compression.bottleneck import Bottleneck, basis_name, describe, memory_width, resolve_bottleneck
 from sao.compression.semantic import encoder_dim, encoder_name
 from sao.config import SaoConfig
+from sao.config.section import Precision
 from sao.policy.lora import add_lora, attach_adapter_merge
 from sao.policy.model import MemoryPolicy
 from sao.policy.weights import build_policy, place_for_sampling
@@ -55,7 +56,13 @@ class PolicyRecipe:
             torch.manual_seed(self.config.policy.seed)
             add_lora(policy, self.config.trainer.lora)
 
-    def for_sampling(self, device: str | None = None) -> MemoryPolicy:
-        """As a sampler holds it: placed on `device` (default sampler.device), set to merge a LoRA run's adapters."""
-        policy = place_for_sampling(self.build(), device or self.config.sampler.device)
+    def for_sampling(self, device: str | None = None, precision: Precision | None = None) -> MemoryPolicy:
+        """As a sampler holds it: placed on `device` in `precision` (default sampler.device, sampler.precision), set
+        to merge a LoRA run's adapters."""
+        sampler = self.config.sampler
+        precision = precision or sampler.precision
+        on_cpu = (device or sampler.device) == "cpu" or not torch.cuda.is_available()
+        if precision == "auto" and sampler.engine.type == "vllm" and on_cpu:
+            precision = "fp32"  # vLLM's CPU build in bf16 strays from sao's bf16 loop past its reload probe's tolerance
+        policy = place_for_sampling(self.build(), device or sampler.device, precision)
         return attach_adapter_merge(policy, self.config.trainer.lora)

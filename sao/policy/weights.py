@@ -23,8 +23,10 @@ from safetensors.torch import save_file
 
 from sao.compression.bottleneck import Bottleneck
 from sao.config import PolicyConfig
+from sao.config.section import Precision
 from sao.policy.loading import load_language_model
 from sao.policy.model import MemoryPolicy
+from sao.policy.precision import uses_bf16
 from sao.policy.projector import apply_projector_setting
 from sao.run_dir import RunDir
 from sao.schema import PolicyAnnouncement
@@ -256,14 +258,15 @@ def frozen_copy(policy: MemoryPolicy) -> MemoryPolicy:
     return frozen
 
 
-def place_for_sampling(policy: MemoryPolicy, device: str = "auto") -> MemoryPolicy:
-    """Move an inference copy of the policy: a GPU samples in bf16, the CPU in fp32.
+def place_for_sampling(policy: MemoryPolicy, device: str = "auto", precision: Precision = "auto") -> MemoryPolicy:
+    """Move an inference copy of the policy to `device` (auto: a GPU when torch sees one, else the CPU), in
+    bf16 or fp32 as `precision` resolves there (sao/policy/precision.py).
 
-    The trainer still rescores in its own precision (fp32 on CPU, DeepSpeed's bf16 on GPU), so
-    the bf16 rounding of the sampler is one more behaviour/target mismatch that rho corrects.
+    The trainer rescores in its own precision, so the sampler's rounding is one more behaviour/target
+    mismatch that rho corrects; the behaviour log-probs are those of the distribution actually sampled.
     """
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("sampler.device = 'cuda' but torch sees no GPU; use 'auto' or 'cpu'")
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        return policy.to(device="cpu", dtype=torch.float32).eval()
-    return policy.to(device="cuda", dtype=torch.bfloat16).eval()
+    target = "cpu" if device == "cpu" or (device == "auto" and not torch.cuda.is_available()) else "cuda"
+    dtype = torch.bfloat16 if uses_bf16(precision, target) else torch.float32
+    return policy.to(device=target, dtype=dtype).eval()

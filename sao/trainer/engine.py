@@ -25,6 +25,7 @@ import torch
 
 from sao.config import TrainerConfig
 from sao.policy.lora import trainable_state
+from sao.policy.precision import uses_bf16
 from sao.policy.weights import unique_state_dict
 from sao.transport.broker import free_port
 
@@ -105,7 +106,7 @@ def deepspeed_config(trainer: TrainerConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and resolved_precision(trainer) == "bf16":
         config["bf16"] = {"enabled": True}
     if trainer.offload_optimizer:
         # torch's AdamW steps the offloaded state on the CPU (zero_force_ds_cpu_optimizer above allows it);
@@ -129,6 +130,18 @@ class ClippedAdamW(torch.optim.AdamW):
         self._global_grad_norm = float(norm)
         self.overflow = not torch.isfinite(norm)
         return None if self.overflow else super().step(closure)
+
+
+def resolved_precision(trainer: TrainerConfig) -> str:
+    """trainer.precision with auto resolved on this machine, "bf16" or "fp32": the trajectory log records it, so a
+    replay recomputes in the run's precision."""
+    return "bf16" if uses_bf16(trainer.precision, "cuda" if torch.cuda.is_available() else "cpu") else "fp32"
+
+
+def cpu_autocast(trainer: TrainerConfig) -> bool:
+    """Whether the policy's decoder runs under bf16 autocast (`MemoryPolicy.cpu_autocast_bf16`): bf16 on a CPU. A
+    GPU's bf16 is DeepSpeed's (`deepspeed_config`)."""
+    return not torch.cuda.is_available() and resolved_precision(trainer) == "bf16"
 
 
 def build_engine(model: torch.nn.Module, trainer: TrainerConfig):

@@ -44,6 +44,7 @@ from sao.trainer.distributed import broadcast_batch, rank, world_size
 from sao.trainer.engine import (
     learning_rate_at,
     memory_per_rank,
+    resolved_precision,
     set_learning_rate,
     shutdown,
 )
@@ -137,7 +138,7 @@ class Trainer:
         if self.config.trainer.keep_trajectory_log:
             archive = TrajectoryArchive(self.run_dir.trajectory_log, restored.trajectory_log_bytes if restored else 0)
             archive.life(self.state.step, self.state.policy_version, restored is not None, world_size(),
-                         to_toml(self.config))
+                         to_toml(self.config), precision=resolved_precision(self.config.trainer))
         return Leader(self.config, io, self.buffer, self.run_dir, archive, self.batch_size)
 
     def _started(self, phase: str) -> None:

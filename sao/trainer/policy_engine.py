@@ -14,7 +14,7 @@ from sao.policy.recipe import PolicyRecipe
 from sao.policy.weights import frozen_copy
 from sao.trainer.batch import HindsightReply
 from sao.trainer.distributed import world_size
-from sao.trainer.engine import batch_layout, build_engine
+from sao.trainer.engine import batch_layout, build_engine, cpu_autocast
 from sao.trainer.hindsight import hindsight_replies
 from sao.trainer.validation import TrajectoryValidator
 
@@ -42,6 +42,9 @@ def build_policy_engine(config: SaoConfig, started: Callable[[str], None] = lamb
     # Copied before ZeRO-3 (several ranks) partitions the policy's parameters in place: the weights of version 0.
     base_policy = frozen_copy(policy) if config.trainer.keeps_base_policy else None
     recipe.add_adapters(policy)
+    for model in (policy, base_policy):
+        if model is not None:
+            model.cpu_autocast_bf16 = cpu_autocast(config.trainer)
     started("model")
     # What exists now (modules, the model) lives as long as the process: frozen out of the cyclic
     # collector's sight, it is not rescanned by ZeRO-3's set-up gc.collect() or later full collections.

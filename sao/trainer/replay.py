@@ -72,7 +72,10 @@ def replay_config(log_record: dict[str, Any], overrides: list[str]) -> SaoConfig
         path = Path(folder) / "config.toml"
         path.write_text(log_record["config"])
         config = load_config(path, overrides, environ={})
-    resolved = config.trainer.model_copy(update={"turn_credit": turn_credit(config)})
+    update: dict[str, Any] = {"turn_credit": turn_credit(config)}
+    if "precision" in log_record and not any(o.startswith("trainer.precision") for o in overrides):
+        update["precision"] = log_record["precision"]  # what `auto` resolved to on the run's machine
+    resolved = config.trainer.model_copy(update=update)
     return config.model_copy(update={"trainer": resolved})
 
 

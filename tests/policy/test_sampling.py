@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from sao.policy import precision
 from sao.policy.context import TurnInput
 from sao.policy.model import collate_turns
+from sao.policy.precision import cpu_has_native_bf16
 from sao.policy.sampling import StopRule, nucleus
 from sao.policy.weights import build_policy, place_for_sampling
 
@@ -86,7 +88,7 @@ def test_bf16_sampling_runs_and_stays_close_to_fp32_rescoring(tiny_config, polic
     assert len(action) == 6 and np.all(np.isfinite(logprobs))
     batch = collate_turns([TurnInput(step.prompt_ids, step.memory, step.context_ids, action)], DIM)
     with torch.no_grad():
-        rescored = place_for_sampling(policy, "cpu")(batch)[0][batch.action_mask[0]].numpy()
+        rescored = place_for_sampling(policy, "cpu", "fp32")(batch)[0][batch.action_mask[0]].numpy()
     assert np.max(np.abs(rescored - logprobs)) < 0.1  # bf16 rounding, not a different distribution
 
 
@@ -95,4 +97,30 @@ def test_cuda_placement_is_refused_without_a_gpu(policy):
         pytest.skip("a GPU is visible")
     with pytest.raises(RuntimeError, match=r"sampler\.device"):
         place_for_sampling(policy, "cuda")
-    assert next(place_for_sampling(policy, "auto").parameters()).dtype == torch.float32
+    assert next(place_for_sampling(policy, "auto", "fp32").parameters()).dtype == torch.float32
+    native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert next(place_for_sampling(policy, "auto").parameters()).dtype == native
+    assert next(place_for_sampling(policy, "cpu", "bf16").parameters()).dtype == torch.bfloat16
+
+
+def test_precision_takes_bf16_only_where_it_is_native(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert [precision.uses_bf16(p, "cpu") for p in ("auto", "fp32", "bf16")] == [False, False, True]
+    assert [precision.uses_bf16(p, "cuda") for p in ("auto", "fp32", "bf16")] == [True, False, True]
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert precision.uses_bf16("auto", "cpu")
+
+
+def test_cpu_autocast_keeps_fp32_weights_gradients_and_close_log_probs(tiny_config, policy):
+    """The trainer on a CPU with native bf16: the decoder computes in bf16, what it trains stays fp32."""
+    torch.nn.init.normal_(policy.projector.weight, std=0.5)
+    step = TurnInput(np.arange(10, 20, dtype=np.int32), np.random.default_rng(0).normal(size=(2, DIM)).astype(np.float32),
+                     np.arange(30, 35, dtype=np.int32), np.arange(40, 46, dtype=np.int32))
+    batch = collate_turns([step], DIM)
+    exact = policy(batch)[batch.action_mask].detach()
+    policy.cpu_autocast_bf16 = True
+    scored = policy(batch)
+    assert scored.dtype == torch.float32
+    scored[batch.action_mask].sum().backward()
+    assert {p.grad.dtype for p in policy.parameters() if p.grad is not None} == {torch.float32}
+    assert 0 < torch.max(torch.abs(scored[batch.action_mask].detach() - exact)) < 0.1  # bf16 rounding, no more

@@ -31,7 +31,7 @@ def config():
 @pytest.fixture(scope="module")
 def policy(config):
     torch.manual_seed(0)
-    return place_for_sampling(build_policy(config.policy, WIDTH, encoder="default"), "cpu")
+    return place_for_sampling(build_policy(config.policy, WIDTH, encoder="default"), "cpu", "fp32")
 
 
 @pytest.fixture(scope="module")

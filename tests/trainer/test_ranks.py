@@ -34,7 +34,8 @@ VARIANTS = {  # name: (ranks, extra [trainer] TOML)
 @pytest.mark.slow
 def test_ranks_accumulation_and_offload_follow_one_loss_curve(kafka_bootstrap, unique_topic_prefix, tmp_path):
     """2 ranks, 2 accumulation micro-batches, CPU offload and passes cut by a token budget train exactly like
-    1 plain rank; `sao replay` rebuilds the 2-rank run's versions bit for bit."""
+    1 plain rank; `sao replay` rebuilds the 2-rank run's versions bit for bit. In fp32: bf16 autocast rounds each
+    split of the batch its own way, which would hide a wrong split inside its rounding."""
     # One partition: every run reads the same trajectories in the same order.
     produce_trajectories(kafka_bootstrap, unique_topic_prefix, partitions=1)
     status = {}
@@ -42,7 +43,7 @@ def test_ranks_accumulation_and_offload_follow_one_loss_curve(kafka_bootstrap, u
         config = tmp_path / f"{name}.toml"
         # a consumer group per run, so each reads the topic from the start
         write_config(config, unique_topic_prefix, group=f"{unique_topic_prefix}-{name}", trainer_toml=extra,
-                     batch_size=4, checkpoint_every=100)
+                     batch_size=4, checkpoint_every=100, precision="fp32")
         status[name] = train(ranks, config, kafka_bootstrap, tmp_path / name)
     one = status["one_rank"]
 

@@ -12,7 +12,7 @@ import pytest
 from sao.run_dir import RunDir
 from sao.schema import Trajectory, decode, encode
 from sao.trainer.archive import MAGIC, ArchiveError, TrajectoryArchive, read_records
-from sao.trainer.replay import CannotReplay, Replay
+from sao.trainer.replay import CannotReplay, Replay, replay_config
 from support.fault_runs import fault_seed
 from support.shadow_env import shadow_on
 from support.trainer_runs import (
@@ -60,6 +60,10 @@ def test_replay_rebuilds_every_published_version_and_names_the_first_difference(
     # once; a step per batch, a version per step.
     positions = [(r["partition"], r["offset"]) for r in records if r["kind"] == "trajectory"]
     assert len(set(positions)) == len(positions) >= TOTAL + 1 and kinds.count("life") == 1
+    # A replay recomputes in the precision `auto` resolved to on the run's machine, whatever it resolves to on its own.
+    life = records[kinds.index("life")]
+    assert life["precision"] in ("bf16", "fp32")
+    assert replay_config({**life, "precision": "fp32"}, []).trainer.precision == "fp32"
     steps = [record for record in records if record["kind"] == "step"]
     published = [record for record in records if record["kind"] == "published"]
     assert [s["step"] for s in steps] == list(range(1, TOTAL // 3 + 1)) and len(published) == len(steps)
