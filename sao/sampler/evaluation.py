@@ -129,7 +129,7 @@ class Scorer:
         scores: TaskScores = {}
         failures: dict[str, str] = {}
         outcomes = self.roller.rollout_batch(tasks, version, greedy, slots=self.slots,
-                                             on_done=_progress_log(f"v{version}", len(tasks)))
+                                             on_done=_progress_log(f"v{version}", len(tasks), self.slots))
         for task, outcome in zip(tasks, outcomes):
             if isinstance(outcome, EnvFailure):
                 failures[task.task_id] = str(outcome)
@@ -148,8 +148,11 @@ class Scorer:
 PROGRESS_EVERY_S = 15.0  # how often a scoring logs how far it got
 
 
-def _progress_log(what: str, total: int, every_s: float = PROGRESS_EVERY_S) -> Callable[[int], None]:
-    """An `on_done` for rollout_batch that logs 'done of total, time left' at most every `every_s` seconds."""
+def _progress_log(what: str, total: int, side_by_side: int = 1, every_s: float = PROGRESS_EVERY_S
+                  ) -> Callable[[int], None]:
+    """An `on_done` for rollout_batch that logs 'done of total' at most every `every_s` seconds, with the time left
+    once `side_by_side` tasks are done: before that the tasks done are the batch's quickest, and a rate from them
+    overstates the time left many times over."""
     started = reported = time.perf_counter()
 
     def on_done(done: int) -> None:
@@ -157,9 +160,8 @@ def _progress_log(what: str, total: int, every_s: float = PROGRESS_EVERY_S) -> C
         now = time.perf_counter()
         if now - reported >= every_s and done < total:
             reported = now
-            left = (now - started) / done * (total - done)
-            log.info("%s: %d of %d held-out tasks scored in %.0f s, about %.0f s left", what, done, total,
-                     now - started, left)
+            left = f", about {(now - started) / done * (total - done):.0f} s left" if done >= side_by_side else ""
+            log.info("%s: %d of %d tasks scored in %.0f s%s", what, done, total, now - started, left)
 
     return on_done
 

@@ -163,5 +163,12 @@ def test_a_long_scoring_logs_how_far_it_got_and_the_time_left(caplog, monkeypatc
         for done in (1, 2, 3, 4):
             on_done(done)
     # 10 s: too soon; 30 s: due; 31 s: too soon after it; the last task: the result says it.
-    assert [record.getMessage() for record in caplog.records] == [
-        "v3: 2 of 4 held-out tasks scored in 30 s, about 30 s left"]
+    assert [record.getMessage() for record in caplog.records] == ["v3: 2 of 4 tasks scored in 30 s, about 30 s left"]
+    # Three side by side: two done are the quickest of a batch, so no time left is guessed from them.
+    clock = iter([100.0, 110.0, 130.0])
+    caplog.clear()
+    on_done = evaluation._progress_log("v4", 4, side_by_side=3, every_s=15.0)
+    with caplog.at_level("INFO", logger=evaluation.__name__):
+        for done in (1, 2):
+            on_done(done)
+    assert [record.getMessage() for record in caplog.records] == ["v4: 2 of 4 tasks scored in 30 s"]
