@@ -8,7 +8,9 @@ train split: chat messages and the task spec), the sampling settings, the learni
 the budget and the wall times at which to save. The reward is sao's env scoring the first answer
 (1 when right), what sao's first turn earns. It writes OUT_DIR/ckpt-K (HF folders) and
 OUT_DIR/checkpoints.json: per checkpoint its wall time since the benchmark launched this process,
-optimizer steps and generated tokens (completion tokens, all of them).
+optimizer steps and generated tokens (completion tokens, all of them); and OUT_DIR/steps.json, each
+optimizer step's end in wall seconds since the launch. SETUP's `max_steps` stops it after that many
+steps (default: only the budget does); its `bf16` runs the trainer under bf16 autocast on the CPU.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main(setup_path: str) -> None:
         return rewards
 
     checkpoints: list[dict] = []
+    step_ends: list[float] = []
 
     def save(model, step: int) -> None:
         folder = out / f"ckpt-{len(checkpoints)}"
@@ -68,6 +71,8 @@ def main(setup_path: str) -> None:
         def on_step_end(self, args, state, control, model=None, **_):
             elapsed = time.time() - launched
             step_s, self.last_end = elapsed - self.last_end, elapsed
+            step_ends.append(elapsed)
+            (out / "steps.json").write_text(json.dumps(step_ends))
             if elapsed >= budget_s:
                 save(model, state.global_step)
                 control.should_training_stop = True
@@ -81,9 +86,10 @@ def main(setup_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(setup["model_dir"], dtype=torch.float32)
     dataset = Dataset.from_list([{"prompt": task["messages"], "spec": json.dumps(task["spec"])}
                                  for task in setup["tasks"]])
-    config = GRPOConfig(output_dir=str(out / "trainer"), use_cpu=True, bf16=False, report_to="none",
-                        save_strategy="no", disable_tqdm=True, logging_steps=10**9, seed=setup["seed"],
-                        max_steps=10**9, lr_scheduler_type="constant", **setup["grpo"])
+    config = GRPOConfig(output_dir=str(out / "trainer"), use_cpu=True, bf16=setup.get("bf16", False),
+                        report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=10**9,
+                        seed=setup["seed"], max_steps=setup.get("max_steps", 10**9), lr_scheduler_type="constant",
+                        **setup["grpo"])
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=first_answer_reward,
                           args=config, train_dataset=dataset, callbacks=[Budget()])
     trainer.train()

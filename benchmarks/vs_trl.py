@@ -187,11 +187,12 @@ def ends_with_this_process():
     return functools.partial(die_with_parent, os.getpid())
 
 
-def run_sao(seed: int, minutes: float, run_dir: Path, extra: list[str]) -> tuple[list[dict], float]:
+def run_sao(seed: int, limits: list[str], run_dir: Path, extra: list[str]) -> tuple[list[dict], float]:
+    """`sao run` within `limits` (its --minutes or --num-tasks), every version kept: its checkpoints and wall time."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    command = [sys.executable, "-m", "sao.cli", "run", "--run-dir", str(run_dir), "--minutes", str(minutes),
-               "--num-tasks", "1000000", "--set", "run.heldout_eval=false", "--set", "trainer.keep_versions=1000000",
+    command = [sys.executable, "-m", "sao.cli", "run", "--run-dir", str(run_dir), *limits,
+               "--set", "run.heldout_eval=false", "--set", "trainer.keep_versions=1000000",
                "--set", f"env.seed={seed}", "--set", f"sampler.seed={seed}", *extra]
     launched = time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
@@ -277,7 +278,8 @@ def benchmark(args: argparse.Namespace, extra: list[str]) -> dict:
         for arm in args.arms:  # alternated: every seed runs each arm once, in turn
             folder = work / f"{arm}-seed{seed}"
             if arm in SAO_ARMS:
-                checkpoints, wall_s = run_sao(seed, args.minutes, folder, [*extra, *SAO_ARMS[arm]])
+                checkpoints, wall_s = run_sao(seed, ["--minutes", str(args.minutes), "--num-tasks", "1000000"],
+                                              folder, [*extra, *SAO_ARMS[arm]])
             else:
                 checkpoints, wall_s = run_trl(args.trl_python, trl_setup(config, seed, args.minutes, times, folder,
                                                                          arm))

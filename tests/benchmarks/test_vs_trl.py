@@ -1,4 +1,5 @@
-"""`benchmarks/vs_trl.py`: the curve arithmetic, and one tiny run (TRL's arms only where `trl` imports)."""
+"""`benchmarks/vs_trl.py` and its speed sibling `speed_vs_trl.py`: their arithmetic, and one tiny run of each (TRL's
+arms only where `trl` imports)."""
 
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import pytest
 from support.benchmark_modules import BENCHMARKS, load_benchmark
 
 vs_trl = load_benchmark("vs_trl")
+speed = load_benchmark("speed_vs_trl")
 SCRIPT = BENCHMARKS / "vs_trl.py"
 
 
@@ -68,3 +70,30 @@ def test_one_tiny_seed_gives_curves_for_every_arm_it_can_run(tmp_path):
         assert len(comparison["ratio_overall"]) == 2 and len(comparison["paired_at_budget"]["overall"]) <= 1
     else:
         assert result["comparisons"] == {} and headline["baseline"] is None and headline["ratio"] is None
+
+
+def test_speed_figures_take_the_steady_gap_and_compare_with_the_fastest_sync_loop():
+    run = speed.step_figures([30.0, 40.0, 46.0, 52.0], wall_s=60.0, tokens_per_trajectory=20.0)
+    assert (run["to_last_step_s"], run["step_s"], run["trajectories_per_s"]) == (52.0, 6.0, 8 / 6.0)
+    runs = [{"arm": "sao", "seed": 0, **run},
+            {"arm": "sao-sync", "seed": 0, **speed.step_figures([40.0, 52.0, 64.0], 70.0, 20.0)},
+            {"arm": "trl", "seed": 0, **speed.step_figures([20.0, 24.0, 28.0], 30.0, 10.0)}]
+    summary = speed.summarise(runs, ["sao", "sao-sync", "trl"])
+    assert summary["best_sync"] == "trl"
+    assert summary["arms"]["sao"]["step_s_vs_best_sync"] == pytest.approx(1.5)
+    assert summary["arms"]["sao-sync"]["to_last_step_s_vs_best_sync"] == pytest.approx(64 / 28)
+
+
+@pytest.mark.slow
+def test_a_tiny_speed_run_times_every_arm_it_can_run(tmp_path):
+    arms = ["sao", "sao-sync", "trl"] if importlib.util.find_spec("trl") else ["sao", "sao-sync"]
+    out = tmp_path / "speed.json"
+    tiny = ["--set", 'policy.model="tiny"', "--set", "policy.max_new_tokens=6", "--set", "metrics.launcher_port=0",
+            "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
+    subprocess.run([sys.executable, str(BENCHMARKS / "speed_vs_trl.py"), "--steps", "2", "--seeds", "1", "--arms", *arms,
+                    "--work-dir", str(tmp_path / "work"), "--json", str(out), "--", *tiny], check=True, timeout=900)
+    result = json.loads(out.read_text())
+    assert [run["arm"] for run in result["runs"]] == arms
+    for run in result["runs"]:
+        assert run["steps"] == 2 and 0 < run["step_s"] < run["to_last_step_s"] <= run["wall_s"]
+    assert result["best_sync"] in arms[1:]
