@@ -54,7 +54,7 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     The run's processes share the machine's cores, so their OpenMP threads wait for work asleep
     (OMP_WAIT_POLICY=PASSIVE, unless set): spinning threads of one process took the cores another
     one's threads were waiting for, and a trainer step on shared cores burned CPU seconds waiting
-    (benchmarks/README.md, "Where a default run's time goes"). The shadow scorer inherits the trainer's.
+    (benchmarks/HISTORY.md, "Where a default run's time went in fp32"). The shadow scorer inherits the trainer's.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     handle = open(log_path, "ab")
