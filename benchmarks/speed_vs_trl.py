@@ -104,8 +104,14 @@ def benchmark(args: argparse.Namespace, extra: list[str]) -> dict:
                        else trl_run(args.trl_python, config, seed, args.steps, folder, TRL_ARMS[arm]))
             runs.append({"arm": arm, "seed": seed, **figures})
             print(json.dumps(runs[-1]), flush=True)
-    return {"steps": args.steps, "seeds": args.seeds, "trl_version": trl_version, "model": config.policy.model,
-            **summarise(runs, list(args.arms)), "runs": runs}
+    summary = summarise(runs, list(args.arms))
+    first, best = args.arms[0], summary["best_sync"]
+    headline = {"metric": f"seconds from launch to step {args.steps}, {first} / the best sync loop ({best})",
+                "value": summary["arms"][first]["to_last_step_s"],
+                "baseline": summary["arms"][best]["to_last_step_s"] if best else None,
+                "ratio": summary["arms"][first]["to_last_step_s_vs_best_sync"], "unit": "s"}
+    return {"headline": headline, "steps": args.steps, "seeds": args.seeds, "trl_version": trl_version,
+            "model": config.policy.model, **summary, "runs": runs}
 
 
 def show(result: dict) -> None:

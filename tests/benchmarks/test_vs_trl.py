@@ -97,3 +97,5 @@ def test_a_tiny_speed_run_times_every_arm_it_can_run(tmp_path):
     for run in result["runs"]:
         assert run["steps"] == 2 and 0 < run["step_s"] < run["to_last_step_s"] <= run["wall_s"]
     assert result["best_sync"] in arms[1:]
+    headline = result["headline"]
+    assert headline["ratio"] == pytest.approx(headline["value"] / headline["baseline"])
