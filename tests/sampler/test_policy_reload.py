@@ -36,6 +36,7 @@ def built_sampler(kafka_bootstrap, tiny_config):
     prefix = f"t{uuid.uuid4().hex[:8]}"
     config.topics.tasks, config.topics.sampler_group = f"{prefix}.tasks", f"{prefix}-s"
     config.metrics.sampler_port = 0
+    config.sampler.precision = "fp32"  # a version's weights land exactly, so each test can tell which loaded
     sampler = Sampler(config, kafka_bootstrap, "s-trust")
     version_0 = {name: tensor.clone() for name, tensor in sampler.policy.state_dict().items()}
     yield sampler, version_0
