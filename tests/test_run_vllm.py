@@ -18,9 +18,11 @@ def test_sao_run_samples_with_vllm_and_follows_every_version(tmp_path):
                "--run-dir", str(run_dir),
                "--set", 'sampler.engine="vllm"', "--set", "trainer.batch_size=4",
                "--set", "run.max_trajectories_in_flight=4", "--set", "policy.max_new_tokens=16",
-               # fp32 whole versions: the sampler then holds exactly the trainer's weights, so at version
-               # lag 0 the importance ratio measures only the two implementations' agreement.
+               # fp32 whole versions and an fp32 trainer (vLLM on a CPU samples in fp32): the sampler then
+               # holds exactly the trainer's weights, so at version lag 0 the importance ratio measures only
+               # the two implementations' agreement.
                "--set", 'trainer.publish_dtype="fp32"', "--set", "trainer.publish_deltas=false",
+               "--set", 'trainer.precision="fp32"',
                "--set", "run.heldout_cap=4", "--set", f"run.heldout_cache_dir=\"{tmp_path / 'heldout-cache'}\"",
                "--set", "run.timeout_s=900",
                "--set", "metrics.launcher_port=0", "--set", "metrics.trainer_port=0", "--set", "metrics.sampler_port=0"]
