@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # vs_trl, beside this file
-from vs_trl import check_trl, run_sao, run_trl, trl_setup
+from vs_trl import check_trl, run_sao, run_trl, tokens_per_trajectory, trl_setup
 
 from sao.config import load_config
 from sao.run_dir import RunDir
@@ -54,10 +54,8 @@ def step_figures(step_ends: list[float], wall_s: float, tokens_per_trajectory: f
 def sao_run(seed: int, steps: int, folder: Path, extra: list[str]) -> dict:
     checkpoints, wall_s = run_sao(seed, ["--num-tasks", str(TRAJECTORIES_PER_STEP * steps)], folder, extra)
     ends = [c["wall_s"] for c in checkpoints if c["version"] >= 1]  # version k is published by step k
-    samplers = [json.loads(p.read_text()) for p in RunDir(folder).status_dir.glob("sampler-*.json")]
-    produced = sum(s.get("produced", 0) for s in samplers)
     RunDir(folder).drop_weights()
-    return step_figures(ends, wall_s, sum(s.get("tokens", 0) for s in samplers) / produced if produced else None)
+    return step_figures(ends, wall_s, tokens_per_trajectory(folder))
 
 
 def trl_run(python: str, config, seed: int, steps: int, folder: Path, bf16: bool) -> dict:
