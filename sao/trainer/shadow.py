@@ -260,17 +260,24 @@ def link_best(run_dir: RunDir, version: int | None) -> None:
     """RUN_DIR/policy/best -> the best version's whole weights file; no link while the base model (v0) is best.
 
     A version published as a delta is written whole once (best-vN), so the link always names a file
-    that loads alone; the export of a version no longer best goes.
+    that loads alone; the export of a version no longer best goes once the link has moved. The link is
+    replaced in one rename: a reader finds the old best or the new one, never no link mid-write.
     """
     link = run_dir.best_weights
-    link.unlink(missing_ok=True)
     target = run_dir.weights(version) if version else None
     if version and not target.is_file() and run_dir.weights_delta(version).is_file():
         target = run_dir.best_export(version)
         if not target.is_file():
-            write_weights(read_version_state(run_dir, version), target)
+            partial = target.with_suffix(".tmp")
+            write_weights(read_version_state(run_dir, version), partial)
+            partial.replace(target)
+    if target is None:
+        link.unlink(missing_ok=True)
+    else:
+        fresh = link.with_name(link.name + ".new")
+        fresh.unlink(missing_ok=True)
+        fresh.symlink_to(target.name)
+        fresh.replace(link)
     for export in run_dir.best_exports():
         if export != target:
             export.unlink(missing_ok=True)
-    if target is not None:
-        link.symlink_to(target.name)

@@ -2,7 +2,9 @@
 
 Rank 0 owns the scorer process and the board (sao/trainer/shadow.py); every rank keeps its own
 optimizer snapshots (sao/trainer/snapshots.py) and does what rank 0 decides, agreed through a
-broadcast, so the ZeRO-3 partitions of every rank move together.
+broadcast, so the ZeRO-3 partitions of every rank move together. A new best version's whole file
+(RUN_DIR/policy/best) is written by a background thread, like the snapshots: rebuilding it from its
+delta chain takes seconds, which the step that reads the score does not wait for.
 """
 
 from __future__ import annotations
@@ -11,15 +13,25 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
 from sao import metrics
 from sao.config import SaoConfig, TrainerConfig, to_toml
+from sao.policy.weights import WeightsMismatch
 from sao.run_dir import RunDir
 from sao.status import write_status
 from sao.trainer.distributed import from_leader
-from sao.trainer.shadow import Drop, ShadowBoard, ShadowScore, ShadowScorerProcess, earlier_board, link_best
+from sao.trainer.shadow import (
+    Drop,
+    ShadowBoard,
+    ShadowScore,
+    ShadowScorerProcess,
+    earlier_board,
+    link_best,
+    run_in_background,
+)
 from sao.trainer.snapshots import OptimizerSnapshots
 
 log = logging.getLogger(__name__)
@@ -37,6 +49,9 @@ class ShadowValidation:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.snapshots = OptimizerSnapshots(run_dir.shadow_snapshots / f"rank{rank}", cpus)
         self.offered: int | None = None  # the last version handed to the scorer
+        # Moves RUN_DIR/policy/best to the board's best (rank 0); niced, on the background CPUs.
+        self._linker = ThreadPoolExecutor(1, "sao-best-link", initializer=run_in_background, initargs=(cpus,)) \
+            if scorer is not None else None
 
     @classmethod
     def start(cls, config: SaoConfig, run_dir: RunDir, resume: bool = False,
@@ -114,6 +129,7 @@ class ShadowValidation:
             self._add_late(self.scorer.wait(FINAL_SCORE_WAIT_S), final=True)
         self.write()
         self.scorer.stop()
+        self._linker.shutdown(wait=True)  # the run ends with the link on the best it kept
 
     def stop(self) -> None:
         """At the trainer's exit: the snapshots die with its process (a resume cannot use them), so do their files."""
@@ -121,6 +137,7 @@ class ShadowValidation:
         self.snapshots.close()
         if self.scorer is not None:
             self.scorer.stop()
+            self._linker.shutdown(wait=True)
 
     def status(self) -> dict | None:
         if self.scorer is None:
@@ -128,9 +145,18 @@ class ShadowValidation:
         return {**self.board.to_json(), "scorer_failed": self.scorer.failed}
 
     def write(self) -> None:
-        """board.json (written whole, then renamed) and the RUN_DIR/policy/best link."""
+        """board.json (written whole, then renamed) now; the RUN_DIR/policy/best link in the background."""
         write_status(self.run_dir.shadow_board, self.status())
-        link_best(self.run_dir, self.board.best)
+        self._linker.submit(self._link_best)
+
+    def _link_best(self) -> None:
+        """Link the board's best as it is when this runs (a request overtaken by a newer best costs nothing). The best
+        version's files are pinned (`pinned`) while it is best. A failure costs the link, never the training."""
+        best = self.board.best
+        try:
+            link_best(self.run_dir, best)
+        except (OSError, ValueError, WeightsMismatch) as err:
+            log.error("RUN_DIR/policy/best could not be moved to v%s (%s); board.json names the best", best, err)
 
     def _add(self, score: ShadowScore) -> Drop | None:
         self.board.scorer_cpu_s = self.scorer.cpu_s

@@ -78,3 +78,35 @@ def test_a_resumed_trainer_rebuilds_the_board_from_the_earlier_lives_scores(tmp_
     assert len(board.drops) == 1  # v2 fell below v0 then, and still does
     # A later version is judged against the earlier lives' best, paired on the same tasks.
     assert board.add(score(5, [0, 0, 0, 0, 0, 0])) is not None
+
+
+def test_a_verdict_does_not_wait_for_the_best_versions_whole_file(tmp_path, monkeypatch):
+    """RUN_DIR/policy/best (a delta chain rebuilt whole: seconds) is written in the background; the step that
+    reads the score goes on, and the run ends with the link on the best."""
+    import threading
+    from types import SimpleNamespace
+
+    from sao.config import TrainerConfig
+    from sao.run_dir import RunDir
+    from sao.trainer import shadow_validation
+
+    class OneScore:  # the scorer process, with one score ready
+        pending, failed, cpu_s, peak_rss_mb, idle = 2, None, 1.0, None, False
+
+        def poll(self):
+            self.pending = None
+            return score(2, [1, 0])
+
+        def stop(self):
+            pass
+
+    release, linked = threading.Event(), []
+    monkeypatch.setattr(shadow_validation, "link_best",
+                        lambda run_dir, version: (release.wait(30), linked.append(version)))
+    validation = shadow_validation.ShadowValidation(TrainerConfig(), RunDir(tmp_path), OneScore())
+    assert validation.verdict(SimpleNamespace(device="cpu")) is None  # no drop, no rollback
+    assert validation.board.best == 2 and linked == []  # the verdict came back while the link was being made
+    release.set()
+    validation.finish(2)
+    validation.stop()
+    assert linked[-1] == 2
