@@ -16,8 +16,8 @@ batches of --batch (each batch runs to its end), and with continuous batching (-
 a slot refilled as soon as its episode ends: what `sao sampler` does).
 Part 2: one, then two sampler processes, each rolling out --tasks
 tasks of its own at --batch; they load their models first and start together at a barrier, so
-start-up is not timed. Every process uses sampler.torch_threads torch threads (default 1: what a
-sampler gets on a 2-core machine; `--set sampler.torch_threads=2` for more) and
+start-up is not timed. Every process uses sampler.torch_threads torch threads (auto: 1, what a sampler
+of an async run gets; `--set sampler.torch_threads=2` for more) and
 `Roller.start`/`Roller.step` (through `rollout_batch`), the code path `sao sampler` runs; Kafka is left out
 (producing a trajectory takes ~1 ms). Prints trajectories/s and generated tokens/s per process
 and in total, with the ratios against the baseline measured in the same run.
@@ -43,7 +43,7 @@ def _roller(model: str, seed: int, overrides: list[str]):
     from sao.sampler.rollout import Roller
 
     config = load_config(overrides=[f'policy.model="{model}"', *overrides], environ={})
-    torch.set_num_threads(config.sampler.torch_threads)  # what `sao sampler` does; the default is 1
+    torch.set_num_threads(config.sampler.threads(config.run.mode))  # what `sao sampler` does
     return Roller.from_config(config, f"bench-{seed}", seed=seed), config
 
 
@@ -221,7 +221,8 @@ def main() -> None:
                   measure(roller, tasks, args.batch)]
     scaling = [processes(count, args.model, args.tasks, args.batch, args.overrides) for count in (1, 2)]
 
-    table = Table(title=f"one sampler, {args.model}, {args.tasks} tasks, {config.sampler.torch_threads} torch thread(s)")
+    threads = config.sampler.threads(config.run.mode)
+    table = Table(title=f"one sampler, {args.model}, {args.tasks} tasks, {threads} torch thread(s)")
     for column in ("rollout_batch", "batching", "trajectories/s", "tokens/s", "seconds", "mean reward"):
         table.add_column(column, justify="right")
     for r in in_process:
@@ -230,7 +231,7 @@ def main() -> None:
                       f"{r['seconds']:.1f}", f"{r['mean_reward']:.3f}")
     console.print(table)
     table = Table(title=f"sampler processes, rollout_batch {args.batch}, {args.tasks} tasks each, "
-                        f"{config.sampler.torch_threads} torch thread(s) each")
+                        f"{threads} torch thread(s) each")
     for column in ("processes", "process", "trajectories/s", "tokens/s", "seconds"):
         table.add_column(column, justify="right")
     for run in scaling:

@@ -164,6 +164,19 @@ def test_trainer_threads_auto_shares_this_process_cpus_among_the_local_ranks(mon
     assert load_config(overrides=["trainer.torch_threads=3"], environ={}).trainer.threads() == 3
 
 
+def test_sampler_threads_auto_is_one_beside_the_trainer_and_the_machine_in_turn_with_it():
+    cpus = len(os.sched_getaffinity(0))
+    sampler = load_config(environ={}).sampler
+    assert sampler.torch_threads == "auto"
+    assert sampler.threads("async") == 1  # samplers and the trainer compute at once
+    assert sampler.threads("sync") == cpus  # sampling and training take turns: each phase gets every CPU
+    two = load_config(overrides=["sampler.num_samplers=2"], environ={}).sampler
+    assert two.threads("sync") == max(1, cpus // 2)
+    assert load_config(overrides=["sampler.torch_threads=3"], environ={}).sampler.threads("async") == 3
+    with pytest.raises(ConfigError, match=r"sampler\.torch_threads"):
+        load_config(overrides=["sampler.torch_threads=0"], environ={})
+
+
 @pytest.mark.parametrize("old, new", [("trainer.whiten_advantages=false", "trainer.scale_advantages"),
                                       ("run.max_tasks_in_flight=4", "run.max_trajectories_in_flight"),
                                       ("trainer.eval_every=2", "trainer.shadow_every"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -39,7 +40,10 @@ class SamplerConfig(Section):
         1, ge=1, description="Sampler processes `sao run` starts. On one machine one process batching more episodes "
                              "(sampler.rollout_batch) spends fewer CPU seconds a token than several batching fewer "
                              "(measured: benchmarks/README.md); more pay off on more machines or GPUs.")
-    torch_threads: int = Field(1, ge=1, description="torch threads per sampler process.")
+    torch_threads: int | Literal["auto"] = Field(
+        "auto", description="torch threads per sampler process; auto = 1 with run.mode = async (samplers and trainer "
+                            "compute at once, and the trainer takes what they leave), and with sync the process's "
+                            "CPUs shared among sampler.num_samplers (sampling and training take turns).")
     seed: int = Field(0, ge=0, lt=2**31, description="Seed of the samplers' sampling, mixed with each sampler's id "
                                                       "(env.seed fixes the tasks; this, which tokens are drawn).")
     cpu_affinity: list[int] | None = Field(
@@ -91,5 +95,20 @@ class SamplerConfig(Section):
         4096, ge=16, description="A task whose first context (prompt + observation) has more tokens than this, or "
                                  "than the model's context minus policy.max_new_tokens, is dead-lettered (too-large) "
                                  "before any generation.")
+
+    @field_validator("torch_threads")
+    @classmethod
+    def _threads_positive(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError(f"must be >= 1 or 'auto', not {value}")
+        return value
+
+    def threads(self, mode: str) -> int:
+        """torch threads to set in run.mode `mode`: `torch_threads`; auto as its description says (at call time)."""
+        if self.torch_threads != "auto":
+            return self.torch_threads
+        if mode != "sync":
+            return 1
+        return max(1, len(os.sched_getaffinity(0)) // self.num_samplers)
 
     _cpus_exist = field_validator("cpu_affinity")(available_cpu_ids)

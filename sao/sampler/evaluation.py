@@ -97,7 +97,7 @@ class Scorer:
     """One policy, encoder and filter, loaded once; `score` runs a version on tasks in batches."""
 
     def __init__(self, config: SaoConfig, run_dir: Path, threads: int | None = None, slots: int | None = None):
-        torch.set_num_threads(threads or config.sampler.torch_threads)
+        torch.set_num_threads(threads or config.sampler.threads(config.run.mode))
         self.config, self.run_dir = config, Path(run_dir)
         self.slots = slots or config.run.heldout_batch
         self.roller = Roller.from_config(config, sampler_id="eval", seed=0)

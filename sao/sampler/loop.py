@@ -63,7 +63,7 @@ class Sampler:
     """One `sao sampler` process: its policy copy, its live episodes and its Kafka clients."""
 
     def __init__(self, config: SaoConfig, bootstrap: str, sampler_id: str, status_path: Path | None = None):
-        torch.set_num_threads(config.sampler.torch_threads)
+        torch.set_num_threads(config.sampler.threads(config.run.mode))
         self.config = config
         self.sampler_id = sampler_id
         self.status_path = status_path

