@@ -43,13 +43,36 @@ def read_version_into(policy: MemoryPolicy, run_dir: RunDir, version: int) -> No
     Raises FileNotFoundError when a file of the chain was pruned, WeightsMismatch when one is not
     what its sidecar says.
     """
-    snapshot, deltas = _chain_back(run_dir, version)
-    for announcement in (snapshot, *deltas):
-        check_content(policy, announcement)
-    state = read_weights_into(policy, run_dir.weights(snapshot.policy_version), snapshot.sha256)
-    _apply_deltas(state, run_dir, deltas)
-    if deltas:
-        load_published(policy, state)
+    ChainReader(policy).read(run_dir, version)
+
+
+class ChainReader:
+    """Loads published versions into one policy and holds the last one's state, so that a later version on the same
+    chain costs only the deltas after it, not its snapshot and every delta again: the shadow scorer loads versions a
+    few apart, each up to trainer.snapshot_every files from its snapshot. Every file read is checked as above, and
+    each delta's result against its state_sha256, so the held state gives what a fresh read would."""
+
+    def __init__(self, policy: MemoryPolicy):
+        self.policy = policy
+        self.version: int | None = None  # the version `state` (and the policy) holds; None: nothing held
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def read(self, run_dir: RunDir, version: int) -> None:
+        """Bring the policy to published `version`; raises as `read_version_into`, and then holds nothing."""
+        snapshot, deltas = _chain_back(run_dir, version)
+        for announcement in (snapshot, *deltas):
+            check_content(self.policy, announcement)
+        chain = [snapshot.policy_version, *(delta.policy_version for delta in deltas)]
+        state, self.state, held = self.state, None, self.version
+        self.version = None
+        if state is not None and held in chain:
+            deltas = deltas[chain.index(held):]  # those after the held version
+        else:
+            state = read_weights_into(self.policy, run_dir.weights(snapshot.policy_version), snapshot.sha256)
+        _apply_deltas(state, run_dir, deltas)
+        if deltas:
+            load_published(self.policy, state)
+        self.state, self.version = state, version
 
 
 def read_version_state(run_dir: RunDir, version: int) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from sao.config import SaoConfig
 from sao.envs.guard import EnvFailure
 from sao.envs.registry import episode_success, make_tasks, turns_are_attempts
 from sao.metrics import record_heldout_skills
-from sao.policy.chain import read_version_into
+from sao.policy.chain import ChainReader
 from sao.run_dir import RunDir
 from sao.sampler.rollout import Roller
 from sao.sampler.skills import skill_figures, tag_tasks
@@ -102,7 +102,8 @@ class Scorer:
         self.slots = slots or config.run.heldout_batch
         self.roller = Roller.from_config(config, sampler_id="eval", seed=0)
         self.policy = self.roller.policy
-        self.loaded_version = 0  # the base model
+        self.loaded_version: int | None = 0  # the base model; None after a load that failed half-way
+        self.reader = ChainReader(self.policy)  # holds the last version loaded: the next costs its own deltas
 
     @property
     def device(self) -> str:
@@ -115,7 +116,8 @@ class Scorer:
             return
         if version == 0:
             raise ValueError("the base model (v0) must be scored before any other version is loaded")
-        read_version_into(self.policy, RunDir(self.run_dir), version)
+        self.loaded_version = None
+        self.reader.read(RunDir(self.run_dir), version)
         self.roller.weights_changed()
         self.loaded_version = version
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sao.policy.chain import chain_versions, read_version_into
+from sao.policy.chain import ChainReader, chain_versions, read_version_into
 from sao.policy.deltas import DELTA_MAX_SNAPSHOT_SHARE, PUBLISH_DTYPES, decode_gaps, encode_gaps
 from sao.policy.weights import build_policy, unique_state_dict
 from sao.run_dir import RunDir
@@ -134,6 +134,23 @@ def test_pruning_keeps_the_snapshot_and_deltas_a_kept_version_rests_on(tiny_conf
     publisher.pinned = set
     publisher.publish_state(next(_adam_steps(_policy(tiny_config), 1)), 8, 8)
     assert run_dir.kept_versions() == [5, 6, 7, 8]  # v7, v8 kept; v8 and v7 rest on v5 and v6
+
+
+def test_a_reader_holding_a_version_reads_only_the_deltas_after_it(tiny_config, tmp_path, monkeypatch):
+    publisher, _ = _publisher(tmp_path, monkeypatch, "bf16", snapshot_every=10)
+    run_dir = RunDir(tmp_path)
+    expected = {}
+    for version, state in enumerate(_adam_steps(_policy(tiny_config), 4), start=1):
+        expected[version] = {name: tensor.bfloat16() for name, tensor in state.items()}
+        publisher.publish_state(state, version, version)
+    reader = ChainReader(_policy(tiny_config))
+    reader.read(run_dir, 2)  # v1's snapshot, then v2's delta
+    run_dir.weights(1).unlink()  # the snapshot gone: a reader holding v2 needs only v3's and v4's deltas
+    reader.read(run_dir, 4)
+    model = reader.policy.state_dict()
+    assert all(torch.equal(model[name], tensor.float()) for name, tensor in expected[4].items())
+    with pytest.raises(FileNotFoundError):
+        read_version_into(_policy(tiny_config), run_dir, 4)  # a fresh reader starts from the snapshot
 
 
 def test_the_best_link_names_a_whole_file_even_when_the_best_version_is_a_delta(tiny_config, tmp_path, monkeypatch):
