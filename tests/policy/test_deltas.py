@@ -136,13 +136,18 @@ def test_pruning_keeps_the_snapshot_and_deltas_a_kept_version_rests_on(tiny_conf
     assert run_dir.kept_versions() == [5, 6, 7, 8]  # v7, v8 kept; v8 and v7 rest on v5 and v6
 
 
-def test_a_reader_holding_a_version_reads_only_the_deltas_after_it(tiny_config, tmp_path, monkeypatch):
+def _bf16_chain(tiny_config, tmp_path, monkeypatch, count: int) -> tuple[RunDir, dict]:
+    """`count` versions published in bf16 on one snapshot (v1, then deltas), and each version's state."""
     publisher, _ = _publisher(tmp_path, monkeypatch, "bf16", snapshot_every=10)
-    run_dir = RunDir(tmp_path)
-    expected = {}
-    for version, state in enumerate(_adam_steps(_policy(tiny_config), 4), start=1):
-        expected[version] = {name: tensor.bfloat16() for name, tensor in state.items()}
+    states = {}
+    for version, state in enumerate(_adam_steps(_policy(tiny_config), count), start=1):
+        states[version] = {name: tensor.bfloat16() for name, tensor in state.items()}
         publisher.publish_state(state, version, version)
+    return RunDir(tmp_path), states
+
+
+def test_a_reader_holding_a_version_reads_only_the_deltas_after_it(tiny_config, tmp_path, monkeypatch):
+    run_dir, expected = _bf16_chain(tiny_config, tmp_path, monkeypatch, 4)
     reader = ChainReader(_policy(tiny_config))
     reader.read(run_dir, 2)  # v1's snapshot, then v2's delta
     run_dir.weights(1).unlink()  # the snapshot gone: a reader holding v2 needs only v3's and v4's deltas
@@ -154,12 +159,7 @@ def test_a_reader_holding_a_version_reads_only_the_deltas_after_it(tiny_config, 
 
 
 def test_the_best_link_names_a_whole_file_even_when_the_best_version_is_a_delta(tiny_config, tmp_path, monkeypatch):
-    publisher, _ = _publisher(tmp_path, monkeypatch, "bf16", snapshot_every=10)
-    run_dir = RunDir(tmp_path)
-    states = {}
-    for version, state in enumerate(_adam_steps(_policy(tiny_config), 3), start=1):
-        states[version] = {name: tensor.bfloat16() for name, tensor in state.items()}
-        publisher.publish_state(state, version, version)
+    run_dir, states = _bf16_chain(tiny_config, tmp_path, monkeypatch, 3)
     link_best(run_dir, 3)  # v3 is a delta on v2 on v1: written whole once, and linked
     assert run_dir.best_weights.resolve() == run_dir.best_export(3).resolve()
     alone = load_file(str(run_dir.best_weights))
