@@ -63,8 +63,8 @@ class ChainReader:
         for announcement in (snapshot, *deltas):
             check_content(self.policy, announcement)
         chain = [snapshot.policy_version, *(delta.policy_version for delta in deltas)]
-        state, self.state, held = self.state, None, self.version
-        self.version = None
+        state, held = self.state, self.version
+        self.state = self.version = None  # nothing held until this read has succeeded
         if state is not None and held in chain:
             deltas = deltas[chain.index(held):]  # those after the held version
         else:

